@@ -1,0 +1,31 @@
+"""lightning_osdp: Optimal Sharded Data Parallel for PyTorch Lightning.
+
+``import lightning_osdp`` registers the strategy name ``"osdp"`` with Lightning, so that
+``Trainer(strategy="osdp")`` works. The pipeline, one stage a subpackage:
+profile (measure the model) -> solve (ILP under the memory budget) -> apply (FSDP2 per module) -> checkpoint.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_osdp.apply import OSDPModule, SplitLinear, apply_plan
+from lightning_osdp.budget import parse_memory_budget
+from lightning_osdp.plan import MODES, Decision, Plan, PlanError, default_units
+from lightning_osdp.strategy import OSDPStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODES",
+    "Decision",
+    "OSDPModule",
+    "OSDPStrategy",
+    "Plan",
+    "PlanError",
+    "SplitLinear",
+    "apply_plan",
+    "default_units",
+    "parse_memory_budget",
+]
+
+if OSDPStrategy.strategy_name not in StrategyRegistry:
+    OSDPStrategy.register_strategies(StrategyRegistry)

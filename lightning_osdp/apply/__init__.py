@@ -1,0 +1,22 @@
+"""Stage 3 of the pipeline: apply a plan to a model (operator splitting, then FSDP2 per unit)."""
+
+from lightning_osdp.apply.executor import (
+    OSDPModule,
+    Unit,
+    apply_plan,
+    fsdp_modules,
+    local_parameter_bytes,
+    plan_units,
+)
+from lightning_osdp.apply.split import SplitLinear, split_linear
+
+__all__ = [
+    "OSDPModule",
+    "SplitLinear",
+    "Unit",
+    "apply_plan",
+    "fsdp_modules",
+    "local_parameter_bytes",
+    "plan_units",
+    "split_linear",
+]

@@ -1,0 +1,46 @@
+"""The spawn/fork launcher for :class:`~lightning_osdp.OSDPStrategy`.
+
+Lightning's ``_MultiProcessingLauncher`` sends rank 0's ``lightning_module.state_dict()`` back to the main
+process. Under OSDP that state dict holds DTensors, which fail to load there ("Callable map_location not
+supported") and, for sharded units, hold only rank 0's shard. This launcher gathers the full, unsharded CPU
+state dict on every rank (a collective) and sends rank 0's copy, so the main process ends up with the trained
+weights, as it does with DDP.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__: list[str] = []
+
+
+class _OSDPMultiProcessingLauncher(_MultiProcessingLauncher):
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        from lightning_osdp.strategy import OSDPStrategy
+
+        strategy = self._strategy
+        assert isinstance(strategy, OSDPStrategy)
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = (
+            getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        )
+        # Collective: every rank takes part in gathering the shards.
+        state_dict = strategy.full_model_state_dict()
+        if strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)

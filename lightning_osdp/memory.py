@@ -1,0 +1,145 @@
+"""Measured peak memory of a training step, per rank.
+
+CUDA: the caching allocator's own figure, ``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats`` at the start of the step.
+
+CPU has no allocator statistics, so :class:`LiveStorageTracker` counts it: the bytes of every live tensor
+storage on the device, where *live* means
+
+* present when tracking starts and reachable from the objects handed to :meth:`LiveStorageTracker.start`
+  (the model's parameters, their gradients and buffers, the optimizer's state), or
+* created by any ATen operator while tracking is on (seen through a ``TorchDispatchMode``; DTensors are counted
+  by their local shard),
+
+until the storage is garbage collected (a weak reference callback) or resized (FSDP2 frees and re-allocates
+gathered parameters with ``UntypedStorage.resize_``, which the dispatcher does not see, so it is patched while
+tracking, as ``torch.distributed._tools.MemTracker`` does). Not counted: memory held by a communication
+backend outside tensors (gloo's staging buffers), by the Python interpreter, or by tensors created outside
+ATen (``numpy`` arrays). The figure is what a CUDA allocator would report as allocated, without its rounding.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveStorageTracker", "tensors_of"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def tensors_of(objects: Iterable[Any]) -> list[torch.Tensor]:
+    """Tensors reachable from modules (parameters, gradients, buffers), optimizers (state) and tensors."""
+    found: list[torch.Tensor] = []
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                found.append(p)
+                if p.grad is not None:
+                    found.append(p.grad)
+            found.extend(obj.buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                found.extend(v for v in tree_leaves(state) if isinstance(v, torch.Tensor))
+        elif isinstance(obj, torch.Tensor):
+            found.append(obj)
+        else:
+            found.extend(v for v in tree_leaves(obj) if isinstance(v, torch.Tensor))
+    return found
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Live and peak bytes of tensor storages on one device type (see the module docstring)."""
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._orig_resize: Any = None
+
+    # ---------------------------------------------------------------- public
+    def start(self, *roots: Any) -> LiveStorageTracker:
+        """Count what ``roots`` hold now, then track every allocation until :meth:`stop`."""
+        self.live = self.peak = 0
+        self._sizes.clear()
+        self._refs.clear()
+        for t in tensors_of(roots):
+            self._track(_local(t))
+        self.peak = self.live
+        self._patch_resize()
+        self.__enter__()
+        return self
+
+    def stop(self) -> int:
+        """Stop tracking; return the peak in bytes."""
+        self.__exit__(None, None, None)
+        self._restore_resize()
+        return self.peak
+
+    # ---------------------------------------------------------------- internals
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(_local(t))
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        self._track_storage(storage)
+
+    def _track_storage(self, storage: torch.UntypedStorage) -> None:
+        """Start counting ``storage``, or account for a change of its size since it was last seen."""
+        key = id(storage)
+        ref = self._refs.get(key)
+        size = storage.nbytes()
+        if ref is not None and ref() is storage:
+            self._add(size - self._sizes[key])
+            self._sizes[key] = size
+            return
+        self._sizes[key] = size
+        self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._free(key))
+        self._add(size)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def _add(self, delta: int) -> None:
+        self.live += delta
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def _patch_resize(self) -> None:
+        orig = torch.UntypedStorage.resize_
+        self._orig_resize = orig
+        tracker = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = orig(storage, size)
+            if storage.device.type == tracker.device_type:
+                tracker._track_storage(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+
+    def _restore_resize(self) -> None:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+            self._orig_resize = None

@@ -1,0 +1,270 @@
+"""The sharding plan: which data-parallel mode, and which operator-splitting factor, each module takes.
+
+A :class:`Plan` is plain data. It is produced by the solver (or written by hand), applied by
+:func:`lightning_osdp.apply_plan`, printed at setup and saved beside checkpoints. Module names are those of
+``LightningModule.named_modules()``; the empty string ``""`` names the LightningModule itself.
+
+[Note: what a decision covers]
+A decision on module ``m`` covers every parameter under ``m`` that is not covered by the decision of a
+descendant, exactly as one ``fully_shard(m)`` call in FSDP2 groups the parameters not already grouped by an
+earlier call on a submodule. Each decided module is therefore one *communication unit*: its parameters are
+all-gathered in one collective and its gradients reduced in one collective. Parameters under no decision at
+all belong to the root unit ``""``, which is ``no_shard`` unless the plan says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from torch import nn
+
+__all__ = ["MODES", "PLAN_FORMAT", "PLAN_VERSION", "Decision", "Mode", "Plan", "PlanError", "default_units"]
+
+Mode = Literal["no_shard", "shard_grad_op", "full_shard"]
+
+#: The data-parallel modes, named after ``torch.distributed.fsdp.ShardingStrategy``.
+#: ``no_shard``: parameters replicated, gradients all-reduced (DDP).
+#: ``shard_grad_op``: parameters sharded, gathered before forward and kept until backward is done (ZeRO-2-like).
+#: ``full_shard``: parameters sharded, gathered for forward, freed, gathered again for backward (ZeRO-3).
+MODES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard")
+
+#: ``format`` field of a plan file.
+PLAN_FORMAT = "lightning_osdp.plan"
+#: ``version`` field of a plan file this release writes and reads.
+PLAN_VERSION = 1
+
+ROOT = ""
+
+
+class PlanError(ValueError):
+    """A plan, or a plan file, that cannot be applied; the message names the offending entry."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One module's choice.
+
+    Args:
+        mode: one of :data:`MODES`.
+        split: operator-splitting factor; ``k > 1`` cuts the module (an ``nn.Linear``) into ``k`` slices along
+            its output features that run one after another, each its own communication unit.
+    """
+
+    mode: str
+    split: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise PlanError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
+            raise PlanError(f"split must be an integer >= 1, got {self.split!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The decision as the JSON object written in a plan file."""
+        return {"mode": self.mode, "split": self.split}
+
+
+@dataclass
+class Plan:
+    """Per-module sharding decisions, plus free-form ``info`` on where the plan came from.
+
+    Args:
+        decisions: module qualified name -> :class:`Decision` (a ``(mode, split)`` tuple, a mode string or a
+            ``{"mode": ..., "split": ...}`` mapping is accepted and converted).
+        info: provenance and predictions (solver status, predicted peak memory, budget...). Saved and loaded
+            with the plan; never read by the executor.
+    """
+
+    decisions: dict[str, Decision]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        converted: dict[str, Decision] = {}
+        for name, value in dict(self.decisions).items():
+            if not isinstance(name, str):
+                raise PlanError(f"module names must be strings, got {name!r}")
+            converted[name] = _as_decision(name, value)
+        self.decisions = converted
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def uniform(cls, module: nn.Module, mode: str, units: Iterable[str] | None = None) -> Plan:
+        """The same ``mode`` for the root and every unit (by default :func:`default_units`).
+
+        ``Plan.uniform(model, "full_shard")`` is FSDP with one unit per block, ``"no_shard"`` is DDP.
+        """
+        names = list(default_units(module) if units is None else units)
+        return cls({name: Decision(mode) for name in [ROOT, *names]}, info={"source": f"uniform:{mode}"})
+
+    # ------------------------------------------------------------------ queries
+    def mode_of(self, name: str) -> str:
+        """The mode of the unit that owns module ``name``'s own parameters."""
+        return self.decisions[self.unit_of(name)].mode
+
+    def unit_of(self, name: str) -> str:
+        """The decided module whose decision covers module ``name`` (its nearest decided ancestor or itself)."""
+        probe = name
+        while True:
+            if probe in self.decisions:
+                return probe
+            if probe == ROOT:
+                return ROOT
+            probe = probe.rpartition(".")[0]
+
+    def __iter__(self) -> Iterator[tuple[str, Decision]]:
+        return iter(sorted(self.decisions.items()))
+
+    def validate(self, module: nn.Module) -> None:
+        """Check the plan against ``module``; raise :class:`PlanError` naming the first bad entry."""
+        modules = dict(module.named_modules())
+        for name, decision in self.decisions.items():
+            if name not in modules:
+                close = _closest(name, modules)
+                hint = f" (did you mean {close!r}?)" if close else ""
+                raise PlanError(
+                    f"plan names module {name!r}, which the model does not have{hint}; names are those of "
+                    "LightningModule.named_modules()"
+                )
+            if decision.split > 1:
+                target = modules[name]
+                if not isinstance(target, nn.Linear):
+                    raise PlanError(
+                        f"module {name!r}: split={decision.split} needs an nn.Linear, "
+                        f"got {type(target).__name__}"
+                    )
+                if target.out_features < decision.split:
+                    raise PlanError(
+                        f"module {name!r}: split={decision.split} exceeds out_features={target.out_features}"
+                    )
+                if any(sub is not target for _, sub in target.named_modules()):
+                    raise PlanError(f"module {name!r}: cannot split a Linear subclass with submodules")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as the JSON document :meth:`save` writes (see ``docs/plan-format.md``)."""
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "decisions": {name: d.to_dict() for name, d in sorted(self.decisions.items())},
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> Plan:
+        """Parse a plan document; errors name the source, the module and the field."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{source}: a plan must be a JSON object, got {type(data).__name__}")
+        if data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{source}: field 'format' must be {PLAN_FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(
+                f"{source}: plan file version {data.get('version')!r} is not supported "
+                f"(this lightning_osdp reads version {PLAN_VERSION})"
+            )
+        raw = data.get("decisions")
+        if not isinstance(raw, Mapping):
+            raise PlanError(
+                f"{source}: field 'decisions' must be an object mapping module names to decisions"
+            )
+        decisions: dict[str, Decision] = {}
+        for name, entry in raw.items():
+            if not isinstance(entry, Mapping):
+                raise PlanError(
+                    f"{source}: module {name!r}: a decision must be an object with 'mode' and 'split'"
+                )
+            unknown = set(entry) - {"mode", "split"}
+            if unknown:
+                raise PlanError(f"{source}: module {name!r}: unknown field(s) {sorted(unknown)}")
+            if "mode" not in entry:
+                raise PlanError(f"{source}: module {name!r}: field 'mode' is missing")
+            try:
+                decisions[name] = Decision(entry["mode"], entry.get("split", 1))
+            except PlanError as err:
+                field_name = "mode" if "mode" in str(err) else "split"
+                raise PlanError(f"{source}: module {name!r}: field {field_name!r}: {err}") from None
+        info = data.get("info", {})
+        if not isinstance(info, dict):
+            raise PlanError(f"{source}: field 'info' must be an object")
+        return cls(decisions, info=info)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan as versioned JSON (atomically: a crash leaves the old file intact)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan file written by :meth:`save` (or by hand)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise PlanError(f"plan file {str(path)!r} does not exist") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_dict(data, source=str(path))
+
+    def summary(self) -> str:
+        """One line: how many units take each mode, and any splits."""
+        counts = {m: 0 for m in MODES}
+        for d in self.decisions.values():
+            counts[d.mode] += 1
+        splits = sum(1 for d in self.decisions.values() if d.split > 1)
+        parts = [f"{n} {m}" for m, n in counts.items() if n]
+        if splits:
+            parts.append(f"{splits} split")
+        return f"Plan({len(self.decisions)} units: {', '.join(parts) or 'empty'})"
+
+
+def default_units(module: nn.Module) -> list[str]:
+    """Communication units for a hand-made plan: each parameter-owning element of a ``ModuleList`` or
+    ``Sequential`` (a Transformer block, say) that is not inside another unit.
+
+    Everything else (embeddings, final norm, head) stays with the root unit ``""``, so tied weights
+    (embedding and LM head) are never split across units. Blocks, not leaves, because one collective per tiny
+    parameter is latency-bound: FSDP and DDP both bucket.
+    """
+    units: list[str] = []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, (nn.ModuleList, nn.Sequential)):
+            continue
+        for child_name, child in sub.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if any(full.startswith(u + ".") for u in units):
+                continue
+            if any(True for _ in child.parameters()):
+                units.append(full)
+    return units
+
+
+def _as_decision(name: str, value: Any) -> Decision:
+    try:
+        if isinstance(value, Decision):
+            return value
+        if isinstance(value, str):
+            return Decision(value)
+        if isinstance(value, Mapping):
+            return Decision(value.get("mode", ""), value.get("split", 1))
+        if isinstance(value, tuple) and len(value) == 2:
+            return Decision(value[0], value[1])
+    except PlanError as err:
+        raise PlanError(f"module {name!r}: {err}") from None
+    raise PlanError(f"module {name!r}: cannot read a decision from {value!r}")
+
+
+def _closest(name: str, modules: Mapping[str, nn.Module]) -> str | None:
+    import difflib
+
+    matches = difflib.get_close_matches(name, [m for m in modules if m], n=1)
+    return matches[0] if matches else None

@@ -1,0 +1,95 @@
+"""Measured step time and peak memory of each optimizer step, on this rank."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_osdp.memory import LiveStorageTracker
+
+__all__ = ["StepMeasurement", "StepMonitor"]
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One optimizer step (all its accumulated micro-batches), as measured on this rank."""
+
+    step: int
+    seconds: float
+    peak_memory_bytes: int | None
+
+
+@dataclass
+class StepMonitor:
+    """Times optimizer steps and measures their peak memory.
+
+    A step runs from the first ``training_step`` (or ``optimizer_step``, which wraps it in automatic
+    optimization) after the previous step ended, to the end of ``optimizer_step``. Peak memory is
+    ``torch.cuda.max_memory_allocated`` on CUDA and :class:`~lightning_osdp.memory.LiveStorageTracker` on CPU
+    (tracked for the first ``memory_steps`` steps only: the tracker costs Python time per operator).
+    """
+
+    device: torch.device
+    memory_steps: int = 3
+    measurements: list[StepMeasurement] = field(default_factory=list)
+    _started_at: float | None = None
+    _tracker: LiveStorageTracker | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._started_at is not None
+
+    def start(self, *roots: Any) -> None:
+        """Begin a step; ``roots`` (model, optimizers) are what CPU tracking counts as already live."""
+        if self.running:
+            return
+        if self._measure_memory():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            elif self.device.type == "cpu":
+                self._tracker = LiveStorageTracker("cpu").start(*roots)
+        self._started_at = time.perf_counter()
+
+    def stop(self) -> StepMeasurement | None:
+        """End the step and record it; ``None`` when no step was running."""
+        if self._started_at is None:
+            return None
+        peak: int | None = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if self._measure_memory():
+                peak = int(torch.cuda.max_memory_allocated(self.device))
+        elapsed = time.perf_counter() - self._started_at
+        if self._tracker is not None:
+            peak = self._tracker.stop()
+            self._tracker = None
+        self._started_at = None
+        measurement = StepMeasurement(len(self.measurements), elapsed, peak)
+        self.measurements.append(measurement)
+        return measurement
+
+    def abort(self) -> None:
+        """Drop a step interrupted by an exception (restores the patched ``resize_``)."""
+        if self._tracker is not None:
+            self._tracker.stop()
+            self._tracker = None
+        self._started_at = None
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """Largest measured peak over the steps so far (the first step creates the optimizer state)."""
+        peaks = [m.peak_memory_bytes for m in self.measurements if m.peak_memory_bytes is not None]
+        return max(peaks) if peaks else None
+
+    def step_time(self, skip: int = 1) -> float | None:
+        """Median step time, skipping the first ``skip`` steps (lazy init, optimizer-state creation)."""
+        times = [m.seconds for m in self.measurements[skip:]] or [m.seconds for m in self.measurements]
+        return statistics.median(times) if times else None
+
+    def _measure_memory(self) -> bool:
+        return len(self.measurements) < self.memory_steps or self.device.type == "cuda"

@@ -1,0 +1,415 @@
+"""``OSDPStrategy``: the Lightning glue around profile -> solve -> apply -> checkpoint.
+
+The strategy owns no algorithm: it resolves a plan (given, loaded, or profiled and solved), hands it to the
+executor, times the steps and speaks Lightning's protocol (launchers, samplers, gradient-sync blocking,
+checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_osdp.apply import OSDPModule, apply_plan
+from lightning_osdp.apply.state_dict import (
+    merge_split_optimizer_state,
+    merge_split_state,
+    split_modules,
+    unmerge_split_optimizer_state,
+    unmerge_split_state,
+)
+from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
+from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
+from lightning_osdp.plan import Plan
+from lightning_osdp.step_monitor import StepMonitor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["OSDPStrategy"]
+
+_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class OSDPStrategy(ParallelStrategy):
+    """Optimal Sharded Data Parallel: each module replicated (DDP) or sharded (ZeRO-2/ZeRO-3), as a plan says.
+
+    Args:
+        memory_budget: per-device memory the plan must fit, in bytes or as a string (``"512MiB"``, ``"6GiB"``,
+            ``"8GB"``). ``None`` means the device's capacity (see
+            :func:`~lightning_osdp.budget.device_memory_capacity`).
+        plan: a :class:`~lightning_osdp.Plan`, or the path of a plan file; applied as is when given.
+        process_group_backend: ``"gloo"``/``"nccl"``; default by device.
+        timeout: process-group timeout.
+        start_method: ``"popen"`` (Lightning's subprocess launcher, the default), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``.
+        memory_steps: on CPU, how many of the first optimizer steps are run under the live-storage tracker
+            that measures peak memory (it costs Python time per operator). CUDA measures every step.
+    """
+
+    strategy_name = "osdp"
+
+    def __init__(
+        self,
+        memory_budget: int | str | None = None,
+        plan: Plan | str | os.PathLike[str] | None = None,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: _StartMethod = "popen",
+        memory_steps: int = 3,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Parse early: a bad budget string or plan file is an error at construction, before any process starts.
+        self._memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
+        self._plan: Plan | None = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan else None)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._device_mesh: DeviceMesh | None = None
+        self._memory_steps = memory_steps
+        self._monitor: StepMonitor | None = None
+        self._root: OSDPModule | None = None
+        self.num_nodes = 1
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force (after setup), or the one given."""
+        return self._plan
+
+    @property
+    def memory_budget(self) -> int | None:
+        """Per-device budget in bytes: the one given, or after setup the device's capacity."""
+        return self._memory_budget
+
+    @property
+    def monitor(self) -> StepMonitor | None:
+        """Measured step times and peak memory of this rank (after setup)."""
+        return self._monitor
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """This rank's measured peak memory of a training step (largest over the measured steps)."""
+        return self._monitor.peak_memory_bytes if self._monitor else None
+
+    @property
+    def step_time(self) -> float | None:
+        """This rank's median measured step time in seconds (first step excluded)."""
+        return self._monitor.step_time() if self._monitor else None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists once the processes are initialised")
+        return self._device_mesh
+
+    # ------------------------------------------------------------------ Lightning's protocol
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # NOTE: Lightning skips distributed samplers and `sync_dist` unless a strategy it does not know says so.
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints load into the sharded model: after `setup` has applied the plan.
+        return True
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Optimal Sharded Data Parallel (per-module DDP/ZeRO plan)"
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _OSDPMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if self._root is not None and self._root.module is self.lightning_module:
+            # `trainer.validate/test` after `fit`: Lightning re-connects the bare LightningModule; it is sharded.
+            self.model = self._root
+        else:
+            if self._memory_budget is None:
+                self._memory_budget = device_memory_capacity(self.root_device, self.num_processes)
+            # Cast before sharding so that FSDP2 shards parameters of their final dtype (bf16-true).
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model.to(self.root_device)
+            plan = self._resolve_plan(trainer)
+            self._root = apply_plan(self.lightning_module, plan, mesh=self.device_mesh)
+            self.model = self._root
+            self._plan = plan
+            self._monitor = StepMonitor(self.root_device, memory_steps=self._memory_steps)
+            self._report_plan(plan)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Optimizers are built after sharding, so they hold the DTensor shards.
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_plan(self, trainer: pl.Trainer) -> Plan:
+        if self._plan is not None:
+            return self._plan
+        from lightning_osdp.planning import plan_for_trainer
+
+        return plan_for_trainer(self, trainer)
+
+    @rank_zero_only
+    def _report_plan(self, plan: Plan) -> None:
+        budget = format_bytes(self._memory_budget) if self._memory_budget else "n/a"
+        rank_zero_info(
+            f"OSDP: {plan.summary()} on {self.world_size} ranks, memory budget {budget} per device"
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._start_step()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        self._start_step()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._end_step()
+        return output
+
+    def _start_step(self) -> None:
+        if self._monitor is not None and self.lightning_module is not None:
+            if self.lightning_module.trainer.training:
+                self._monitor.start(self.model, *self.optimizers)
+
+    def _end_step(self) -> None:
+        if self._monitor is None:
+            return
+        measurement = self._monitor.stop()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if measurement is None or trainer is None or not self.is_global_zero:
+            return
+        if (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0 or measurement.step < 3:
+            metrics: dict[str, float] = {"osdp/step_time_s": measurement.seconds}
+            if measurement.peak_memory_bytes is not None:
+                metrics["osdp/peak_memory_bytes"] = float(measurement.peak_memory_bytes)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._monitor is not None:
+            self._monitor.abort()
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient reduction while accumulating: FSDP2 keeps unsharded gradients until the last micro-batch."""
+        if isinstance(self.model, OSDPModule):
+            self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            try:
+                yield None
+            finally:
+                self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        else:
+            yield None
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ state
+    def full_model_state_dict(self) -> dict[str, Any]:
+        """The unsharded model state dict in CPU memory on rank 0, empty elsewhere (a collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.lightning_module is not None
+        state = get_model_state_dict(
+            self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return merge_split_state(state, split_modules(self.lightning_module))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.full_model_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.lightning_module is not None
+        state = get_optimizer_state_dict(
+            self.lightning_module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return merge_split_optimizer_state(state, split_modules(self.lightning_module))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        assert self.lightning_module is not None
+        set_model_state_dict(
+            self.lightning_module,
+            unmerge_split_state(dict(checkpoint["state_dict"]), split_modules(self.lightning_module)),
+            options=StateDictOptions(full_state_dict=True, strict=strict),
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        assert self.lightning_module is not None
+        splits = split_modules(self.lightning_module)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(
+                self.lightning_module,
+                optimizer,
+                unmerge_split_optimizer_state(state, splits),
+                options=StateDictOptions(full_state_dict=True),
+            )
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

@@ -1,0 +1,144 @@
+"""Runs several 2-process training cases inside one set of processes and saves what each measured.
+
+Started by the tests with ``torchrun --nproc-per-node 2`` (Lightning's TorchElastic environment), so the
+processes and the gloo process group are shared by all cases: a Lightning run costs seconds of imports.
+Usage: ``runner.py OUT_DIR CASE [CASE ...]``; each case writes ``OUT_DIR/CASE.rank{R}.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import TinyGPT, loaders
+
+import lightning_osdp
+from lightning_osdp import OSDPStrategy, Plan
+
+MIXED = {
+    "": "no_shard",
+    "h.0": "full_shard",
+    "h.1": "shard_grad_op",
+    "h.2": "no_shard",
+    "h.2.fc": "full_shard",
+    "frozen": "full_shard",
+}
+PLANS: dict[str, dict[str, Any]] = {
+    "no_shard": {"": "no_shard", "h.0": "no_shard", "h.1": "no_shard", "h.2": "no_shard"},
+    "full_shard": {"": "full_shard", "h.0": "full_shard", "h.1": "full_shard", "h.2": "full_shard"},
+    "shard_grad_op": {
+        "": "shard_grad_op",
+        "h.0": "shard_grad_op",
+        "h.1": "shard_grad_op",
+        "h.2": "shard_grad_op",
+    },
+    "mixed": MIXED,
+    # Tied embedding and head as their own sharded group, split operators in a sharded block.
+    "tied_split": {
+        "": "no_shard",
+        "wte": "full_shard",
+        "lm_head": "full_shard",
+        "h.0": "shard_grad_op",
+        "h.0.fc": ("full_shard", 4),
+        "h.1.proj": ("full_shard", 2),
+    },
+}
+
+
+class GradSyncProbe(Callback):
+    """Records, after each backward, whether a replicated and a sharded gradient are equal across ranks."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, float | None]] = []
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        batch = trainer.fit_loop.epoch_loop.batch_idx
+        grad = pl_module.ln_f.weight.grad  # in the root unit (no_shard in the mixed plan)
+        if grad is None:
+            # Under FSDP2 a parameter's `.grad` is set by the gradient reduction: None means none ran.
+            self.records.append((batch, None))
+            return
+        if hasattr(grad, "placements") and not grad.placements[0].is_replicate():
+            return  # only a replicated gradient is comparable across ranks
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local.contiguous())
+        spread = float((gathered[0] - gathered[1]).abs().max())
+        self.records.append((batch, spread))
+
+
+def run(case: str, out: Path) -> None:
+    name, _, variant = case.partition("@")
+    L.seed_everything(0, workers=True)
+    model = TinyGPT()
+    train, val = loaders()
+    kwargs: dict[str, Any] = {"precision": "32-true"}
+    probe = GradSyncProbe()
+    callbacks: list[Callback] = [probe]
+    if variant == "bf16-mixed":
+        kwargs["precision"] = "bf16-mixed"
+    elif variant == "bf16-true":
+        kwargs["precision"] = "bf16-true"
+    elif variant == "accum_clip":
+        kwargs.update(accumulate_grad_batches=2, gradient_clip_val=0.05)
+    elif variant == "sgd":
+        model = TinyGPT(optimizer="sgd")
+    strategy: Any
+    if name == "ddp":
+        strategy = "ddp"
+    else:
+        strategy = OSDPStrategy(plan=Plan(PLANS[name]))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        deterministic=True,
+        **kwargs,
+    )
+    trainer.fit(model, train, val)
+    val_metrics = trainer.validate(model, val, verbose=False)[0]
+    test_metrics = trainer.test(model, val, verbose=False)[0]
+    if name == "ddp":
+        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    else:
+        state = {k: v.float() for k, v in trainer.strategy.full_model_state_dict().items()}
+    result = {
+        "losses": model.losses,
+        "seen": model.seen,
+        "val": val_metrics,
+        "test": test_metrics,
+        "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "state": state if dist.get_rank() == 0 else None,
+        "grad_sync": probe.records,
+        "peak_memory_bytes": getattr(trainer.strategy, "peak_memory_bytes", None),
+        "step_time": getattr(trainer.strategy, "step_time", None),
+        "plan": trainer.strategy.plan.to_dict() if name != "ddp" else None,
+    }
+    torch.save(result, out / f"{case}.rank{dist.get_rank()}.pt")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    assert lightning_osdp.OSDPStrategy.strategy_name == "osdp"
+    for case in sys.argv[2:]:
+        run(case, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""A small GPT-like LightningModule that exercises what real models have and sharding gets wrong.
+
+Tied embedding/LM-head weights, a positional-embedding ``nn.Parameter`` directly on the LightningModule,
+LayerNorms and biases, a frozen (``requires_grad=False``) submodule, and dimensions that the world size does not
+divide (vocabulary 37, width 21, MLP 85).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, num_heads=3, batch_first=True)
+        self.ln_2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, hidden)
+        self.proj = nn.Linear(hidden, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.ln_1(x)
+        t = x.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+
+
+class TinyGPT(L.LightningModule):
+    """Decoder-only LM; ``training_step`` returns the next-token cross-entropy."""
+
+    def __init__(
+        self,
+        vocab: int = 37,
+        width: int = 21,
+        hidden: int = 85,
+        layers: int = 3,
+        context: int = 16,
+        lr: float = 1e-2,
+        optimizer: str = "adamw",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.wte = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.randn(context, width) * 0.02)
+        self.h = nn.ModuleList([Block(width, hidden) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        # A frozen adapter: its parameters never receive gradients.
+        self.frozen = nn.Linear(width, width)
+        self.frozen.requires_grad_(False)
+        self.val_loss = torchmetrics.MeanMetric()
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab, average="micro")
+        self.losses: list[float] = []
+        self.seen: list[int] = []
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx) + self.pos[: idx.shape[1]]
+        x = x + 0.1 * self.frozen(x)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def _loss(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        return loss, logits
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        ids, tokens = batch
+        self.seen.extend(ids.tolist())
+        loss, _ = self._loss(tokens)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        _, tokens = batch
+        loss, logits = self._loss(tokens)
+        self.val_loss.update(loss)
+        self.val_acc.update(logits.argmax(-1).flatten(), tokens[:, 1:].flatten())
+        self.log("val_loss_sync", loss, sync_dist=True)
+        self.log("val_loss", self.val_loss)
+        self.log("val_acc", self.val_acc)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        _, tokens = batch
+        loss, _ = self._loss(tokens)
+        self.log("test_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+
+
+class TokenDataset(Dataset[tuple[int, Tensor]]):
+    """Deterministic random token sequences with a learnable pattern; item ``i`` is ``(i, tokens)``."""
+
+    def __init__(self, n: int = 64, length: int = 17, vocab: int = 37, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (n, 1), generator=g)
+        step = torch.randint(1, 4, (n, 1), generator=g)
+        self.data = (start + step * torch.arange(length)) % vocab
+        noise = torch.rand(n, length, generator=g) < 0.1
+        self.data[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[int, Tensor]:
+        return i, self.data[i]
+
+
+def loaders(batch_size: int = 4, n: int = 64) -> tuple[DataLoader, DataLoader]:
+    train = DataLoader(TokenDataset(n), batch_size=batch_size, shuffle=True)
+    val = DataLoader(TokenDataset(16, seed=99), batch_size=batch_size)
+    return train, val
