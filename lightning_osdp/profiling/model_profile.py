@@ -1,0 +1,164 @@
+"""What profiling measured: plain, serialisable data passed from the profiler to the cost model and solver.
+
+Every per-module figure is *exclusive* ("self"): it counts what belongs to the module itself and not to its
+descendants, so the figure of any set of modules (a planning unit: a module and the descendants no other unit
+claims) is a plain sum. A parameter shared by several modules (tied embedding and LM head) is counted once, at
+the first module that ``named_modules()`` yields holding it; ``ModelProfile.tied`` lists its other holders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "ModelProfile", "ModuleProfile"]
+
+PROFILE_FORMAT = "lightning_osdp.profile"
+PROFILE_VERSION = 1
+
+
+@dataclass
+class ModuleProfile:
+    """One module's own figures (see the module docstring: exclusive of descendants).
+
+    Attributes:
+        name: qualified name in ``named_modules()``; ``""`` is the root (the LightningModule).
+        type: class name.
+        parent: the parent's name (``None`` for the root).
+        children: names of direct children.
+        param_count: number of elements of the module's own parameters (``recurse=False``).
+        param_bytes: their bytes, as stored (after the precision plugin's conversion).
+        param_shapes: shapes of the own parameters (FSDP2 pads dim 0 to a multiple of the world size).
+        trainable_param_bytes: bytes of own parameters with ``requires_grad``.
+        grad_bytes: gradient bytes of the own trainable parameters (same dtype as the parameters).
+        optim_state_bytes: optimizer-state bytes for the own trainable parameters.
+        activation_bytes: bytes saved for backward by operators run in this module's own forward code
+            (not in a child's), per training step on this rank's micro-batch.
+        output_bytes: bytes of the module's forward output.
+        fwd_seconds: own forward compute time (inclusive time minus the children's inclusive times).
+        bwd_seconds: own backward compute time, likewise.
+        fwd_flops: own forward FLOPs (``torch.utils.flop_counter``), for the estimated mode and sanity checks.
+    """
+
+    name: str
+    type: str
+    parent: str | None
+    children: list[str] = field(default_factory=list)
+    param_count: int = 0
+    param_bytes: int = 0
+    param_shapes: list[list[int]] = field(default_factory=list)
+    trainable_param_bytes: int = 0
+    grad_bytes: int = 0
+    optim_state_bytes: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    fwd_seconds: float = 0.0
+    bwd_seconds: float = 0.0
+    fwd_flops: int = 0
+
+
+@dataclass
+class CollectiveFit:
+    """Time of one collective on the real process group: ``seconds(bytes) = alpha + bytes / beta``.
+
+    ``bytes`` is the size of the *full* (unsharded) buffer: the gathered output of all-gather, the input of
+    reduce-scatter, the buffer of all-reduce. ``samples`` are the measured ``(bytes, seconds)`` pairs.
+    """
+
+    op: str
+    world_size: int
+    alpha_seconds: float
+    beta_bytes_per_second: float
+    samples: list[tuple[int, float]] = field(default_factory=list)
+
+    def seconds(self, nbytes: float) -> float:
+        """Predicted time of one call moving ``nbytes`` (0 for an empty call)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.alpha_seconds + nbytes / self.beta_bytes_per_second
+
+
+@dataclass
+class ModelProfile:
+    """A model measured on one device, with the collectives of its process group.
+
+    Attributes:
+        modules: name -> :class:`ModuleProfile`, in ``named_modules()`` order.
+        collectives: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` -> :class:`CollectiveFit`.
+        world_size: ranks of the process group the collectives were measured on.
+        device: ``"cpu"`` or ``"cuda"`` (and the device name, when known).
+        mode: ``"measured"`` (the model ran on the device) or ``"estimated"`` (meta tensors, FLOP-based times).
+        optimizer: the optimizer's class name, and ``optim_state_factor``: state bytes per trainable
+            parameter byte it keeps (Adam/AdamW 2, SGD with momentum 1, plain SGD 0).
+        tied: groups of module names that hold one shared parameter.
+        batch: description of the representative batch (shapes, dtypes, where it came from).
+        step_overhead_seconds: per-step time outside modules (loss, optimizer step, framework), measured.
+        extra_activation_bytes: saved-for-backward bytes outside any module's forward (loss computation).
+        profiling_seconds: wall time spent profiling (collectives included).
+        info: anything else (torch version, rates measured for the estimated mode...).
+    """
+
+    modules: dict[str, ModuleProfile]
+    collectives: dict[str, CollectiveFit] = field(default_factory=dict)
+    world_size: int = 1
+    device: str = "cpu"
+    mode: str = "measured"
+    optimizer: str = ""
+    optim_state_factor: float = 0.0
+    tied: list[list[str]] = field(default_factory=list)
+    batch: dict[str, Any] = field(default_factory=dict)
+    step_overhead_seconds: float = 0.0
+    extra_activation_bytes: int = 0
+    profiling_seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document :meth:`save` writes."""
+        data = asdict(self)
+        data["modules"] = [asdict(m) for m in self.modules.values()]
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> ModelProfile:
+        """Parse a profile document."""
+        if data.get("format") != PROFILE_FORMAT or data.get("version") != PROFILE_VERSION:
+            raise ValueError(
+                f"{source}: not a lightning_osdp profile of version {PROFILE_VERSION} "
+                f"(format={data.get('format')!r}, version={data.get('version')!r})"
+            )
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        modules = {m["name"]: ModuleProfile(**m) for m in body.pop("modules")}
+        collectives = {
+            op: CollectiveFit(**{**c, "samples": [tuple(s) for s in c.get("samples", [])]})
+            for op, c in body.pop("collectives", {}).items()
+        }
+        return cls(modules=modules, collectives=collectives, **body)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the profile as JSON (atomically)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ModelProfile:
+        """Read a profile written by :meth:`save`."""
+        path = Path(path)
+        return cls.from_dict(json.loads(path.read_text()), source=str(path))
+
+    # ------------------------------------------------------------------ queries
+    def subtree(self, name: str) -> list[str]:
+        """``name`` and all its descendants."""
+        prefix = name + "." if name else ""
+        return [m for m in self.modules if m == name or m.startswith(prefix)]
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(m.param_bytes for m in self.modules.values())
