@@ -83,7 +83,7 @@ class OSDPStrategy(ParallelStrategy):
     def __init__(
         self,
         memory_budget: int | str | None = None,
-        plan: Plan | str | os.PathLike[str] | None = None,
+        plan: Any = None,
         *,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,

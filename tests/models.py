@@ -20,7 +20,10 @@ class Block(nn.Module):
     def __init__(self, width: int, hidden: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(width)
-        self.attn = nn.MultiheadAttention(width, num_heads=3, batch_first=True)
+        # NOTE: no attention biases. The key bias has an exactly-zero gradient (softmax is shift-invariant), so
+        # its computed gradient is pure rounding noise, which Adam normalises into lr-sized random steps: a
+        # parameter whose trajectory depends on summation order would make any parity test meaningless.
+        self.attn = nn.MultiheadAttention(width, num_heads=3, batch_first=True, bias=False)
         self.ln_2 = nn.LayerNorm(width)
         self.fc = nn.Linear(width, hidden)
         self.proj = nn.Linear(hidden, width)

@@ -7,6 +7,7 @@ Usage: ``runner.py OUT_DIR CASE [CASE ...]``; each case writes ``OUT_DIR/CASE.ra
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,12 @@ def run(case: str, out: Path) -> None:
         strategy = "ddp"
     else:
         strategy = OSDPStrategy(plan=Plan(PLANS[name]))
+    # 2 nodes x 1 process when the test launches two single-process torchrun agents.
+    num_nodes = int(os.environ.get("OSDP_TEST_NUM_NODES", "1"))
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=2 // num_nodes,
+        num_nodes=num_nodes,
         strategy=strategy,
         max_epochs=2,
         limit_val_batches=2,

@@ -1,0 +1,61 @@
+"""Shared helpers: launching multi-process runs with real launchers on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for a child process: quiet, single-threaded, and importing this checkout."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        MASTER_ADDR="127.0.0.1",
+    )
+    env.update(extra)
+    return env
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under ``torch.distributed.run`` with ``nproc`` local ranks; raise with its output on failure."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
+    ]
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def world1() -> object:
+    """A real one-rank gloo process group and 1-D device mesh in this process (FSDP2 needs a group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))

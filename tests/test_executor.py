@@ -1,0 +1,129 @@
+"""The executor: which FSDP2 groups a plan makes, operator splitting, and state-dict keys."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_osdp import Plan, PlanError, SplitLinear, apply_plan
+from lightning_osdp.apply import OSDPModule, plan_units
+from lightning_osdp.apply.state_dict import (
+    merge_split_optimizer_state,
+    merge_split_state,
+    split_modules,
+    unmerge_split_optimizer_state,
+    unmerge_split_state,
+)
+from models import TinyGPT
+
+
+def test_tied_holders_in_different_units_form_one_group() -> None:
+    units = plan_units(TinyGPT(), Plan({"": "no_shard", "wte": "full_shard", "lm_head": "full_shard", "h.0": "no_shard"}))
+    assert [u.names for u in units] == [("h.0",), ("lm_head", "wte")]
+    assert units[1].mode == "full_shard"
+
+
+def test_tied_holders_with_different_modes_are_an_error() -> None:
+    with pytest.raises(PlanError, match=r"tied parameter 'wte.weight'.*'lm_head'=no_shard, 'wte'=full_shard"):
+        plan_units(TinyGPT(), Plan({"wte": "full_shard", "lm_head": "no_shard"}))
+
+
+def test_tie_with_an_ancestor_unit_is_an_error_naming_both_holders() -> None:
+    with pytest.raises(PlanError, match=r"tied parameter 'wte.weight' is used by 'wte'.*and by 'lm_head' \(unit ''"):
+        plan_units(TinyGPT(), Plan({"": "no_shard", "wte": "full_shard"}))
+
+
+def test_split_of_a_tied_module_is_an_error() -> None:
+    with pytest.raises(PlanError, match="cannot split a module whose parameter 'wte.weight' is shared"):
+        plan_units(TinyGPT(), Plan({"wte": "full_shard", "lm_head": ("full_shard", 2)}))
+
+
+def test_units_are_applied_bottom_up_and_splits_expand() -> None:
+    plan = Plan({"": "no_shard", "h.0": "shard_grad_op", "h.0.fc": ("full_shard", 3), "h.1": "full_shard"})
+    names = [u.names[0] for u in plan_units(TinyGPT(), plan)]
+    assert names.index("h.0.fc.slices.0") < names.index("h.0")
+    assert [n for n in names if n.startswith("h.0.fc")] == ["h.0.fc.slices.0", "h.0.fc.slices.1", "h.0.fc.slices.2"]
+
+
+def test_split_linear_equals_the_linear_with_the_bias_added_once() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(13, 85)
+    with torch.no_grad():
+        linear.bias.fill_(1.0)  # a bias added k times would show up at once
+    split = SplitLinear(copy.deepcopy(linear), 4)
+    assert [p.out_features for p in split.slices] == [22, 21, 21, 21]
+    x = torch.randn(5, 7, 13, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = linear(x), split(x2)
+    torch.testing.assert_close(y2, y, rtol=0, atol=1e-6)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    # The input gradient sums over output features: slice by slice, in another order.
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
+    merged = torch.cat([p.weight.grad for p in split.slices])
+    torch.testing.assert_close(merged, linear.weight.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(split.merged().weight, linear.weight, rtol=0, atol=0)
+    torch.testing.assert_close(split.merged().bias, linear.bias, rtol=0, atol=0)
+
+
+def test_split_state_dicts_use_the_models_own_keys() -> None:
+    model = TinyGPT()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    from lightning_osdp.apply import split_linear
+
+    split_linear(model, "h.0.fc", 4)
+    splits = split_modules(model)
+    assert splits == {"h.0.fc": 4}
+    merged = merge_split_state(model.state_dict(), splits)
+    assert list(merged) == list(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=0)
+    model.load_state_dict(unmerge_split_state(merged, splits))
+
+    opt = {
+        "state": {f"h.0.fc.slices.{i}.weight": {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 5), float(i))}
+                  for i in range(2)},
+        "param_groups": [{"lr": 0.1, "params": ["wte.weight", "h.0.fc.slices.0.weight", "h.0.fc.slices.1.weight"]}],
+    }
+    merged_opt = merge_split_optimizer_state(opt, {"h.0.fc": 2})
+    assert merged_opt["param_groups"][0]["params"] == ["wte.weight", "h.0.fc.weight"]
+    assert merged_opt["state"]["h.0.fc.weight"]["exp_avg"].shape == (4, 5)
+    back = unmerge_split_optimizer_state(merged_opt, {"h.0.fc": 2})
+    torch.testing.assert_close(back["state"]["h.0.fc.slices.1.weight"]["exp_avg"], torch.ones(2, 5))
+    assert back["param_groups"][0]["params"] == opt["param_groups"][0]["params"]
+
+
+def test_invalid_plan_leaves_the_model_untouched(world1: object) -> None:
+    model = TinyGPT()
+    before = dict(model.named_modules())
+    with pytest.raises(PlanError):
+        apply_plan(model, Plan({"h.0.fc": ("full_shard", 2), "h.7": "full_shard"}), mesh=world1)  # type: ignore[arg-type]
+    assert dict(model.named_modules()).keys() == before.keys()
+    assert not isinstance(model.h[0].fc, SplitLinear)
+
+
+def test_one_rank_training_equals_plain_training(world1: object) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    plan = Plan({"": "no_shard", "h.0": "full_shard", "h.1": "shard_grad_op", "h.1.fc": ("full_shard", 2)})
+    root = apply_plan(model, plan, mesh=world1)  # type: ignore[arg-type]
+    assert isinstance(root, OSDPModule) and root.module is model
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    tokens = torch.randint(0, 37, (4, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for net, opt, call in ((model, opts[0], root), (reference, opts[1], reference)):
+            loss = nn.functional.cross_entropy(call(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = merge_split_state(
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), split_modules(model)
+    )
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)

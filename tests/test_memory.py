@@ -1,0 +1,57 @@
+"""The CPU live-storage tracker counts exactly what is allocated, freed and resized while it runs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_osdp.memory import LiveStorageTracker
+
+
+def test_counts_allocations_frees_and_peak() -> None:
+    tracker = LiveStorageTracker().start()
+    a = torch.empty(1000)  # 4,000 bytes
+    b = torch.empty(500, dtype=torch.float64)  # 4,000 bytes
+    assert tracker.live == 8000
+    del a
+    assert tracker.live == 4000
+    c = b[10:]  # a view: no new storage
+    assert tracker.live == 4000
+    del b, c
+    assert tracker.live == 0
+    assert tracker.stop() == 8000
+
+
+def test_counts_what_roots_hold_at_start() -> None:
+    model = nn.Linear(10, 10)  # 440 bytes of parameters
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()  # grads 440 + exp_avg/exp_avg_sq 880 + two 4-byte steps
+    tracker = LiveStorageTracker().start(model, opt)
+    assert tracker.live == 440 + 440 + 880 + 8
+    assert tracker.stop() == tracker.peak
+
+
+def test_activations_saved_for_backward_live_until_backward() -> None:
+    x = torch.randn(64, 100, requires_grad=True)
+    tracker = LiveStorageTracker().start(x)
+    y = (x * 2).relu()  # (x*2) is freed only if nothing saves it; relu saves its output
+    live_after_forward = tracker.live
+    loss = y.sum()
+    del y
+    loss.backward()
+    tracker.stop()
+    assert live_after_forward >= 25600 + 25600  # x and relu's saved output
+    assert tracker.peak >= live_after_forward
+
+
+def test_storage_resize_is_tracked() -> None:
+    original = torch.UntypedStorage.resize_
+    tracker = LiveStorageTracker().start()
+    t = torch.empty(256)
+    t.untyped_storage().resize_(0)  # how FSDP2 frees gathered parameters
+    assert tracker.live == 0
+    t.untyped_storage().resize_(4096)
+    assert tracker.live == 4096
+    assert tracker.stop() == 4096
+    assert torch.UntypedStorage.resize_ is original  # restored once tracking stops

@@ -1,0 +1,93 @@
+"""The plan file is a documented, versioned format; every bad entry is named in the error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from lightning_osdp import Decision, Plan, PlanError, default_units
+from lightning_osdp.plan import PLAN_FORMAT, PLAN_VERSION
+from models import TinyGPT
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    plan = Plan({"": "no_shard", "h.0": ("full_shard", 1), "h.0.fc": {"mode": "full_shard", "split": 4}}, info={"a": 1})
+    path = plan.save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    assert data["format"] == PLAN_FORMAT and data["version"] == PLAN_VERSION
+    assert data["decisions"]["h.0.fc"] == {"mode": "full_shard", "split": 4}
+    loaded = Plan.load(path)
+    assert loaded.decisions == plan.decisions
+    assert loaded.decisions["h.0.fc"] == Decision("full_shard", 4)
+    assert loaded.info == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ({"format": "other", "version": 1, "decisions": {}}, "field 'format'"),
+        ({"format": PLAN_FORMAT, "version": 99, "decisions": {}}, "version 99 is not supported"),
+        ({"format": PLAN_FORMAT, "version": 1}, "field 'decisions'"),
+        ({"format": PLAN_FORMAT, "version": 1, "decisions": {"h.0": {"mode": "zero3"}}}, "module 'h.0': field 'mode'"),
+        ({"format": PLAN_FORMAT, "version": 1, "decisions": {"h.1": {"split": 2}}}, "module 'h.1': field 'mode' is missing"),
+        (
+            {"format": PLAN_FORMAT, "version": 1, "decisions": {"h.2": {"mode": "full_shard", "split": 0}}},
+            "module 'h.2': field 'split'",
+        ),
+        (
+            {"format": PLAN_FORMAT, "version": 1, "decisions": {"h.2": {"mode": "full_shard", "splt": 2}}},
+            "module 'h.2': unknown field(s) ['splt']",
+        ),
+    ],
+)
+def test_malformed_plan_files_name_the_module_and_field(tmp_path: Path, document: dict, message: str) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        Plan.load(path)
+
+
+def test_not_json_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(path)
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_validate_against_the_model() -> None:
+    model = TinyGPT()
+    Plan({"": "no_shard", "h.0": "full_shard", "h.0.fc": ("full_shard", 4)}).validate(model)
+    with pytest.raises(PlanError, match=r"module 'h.9'.*does not have.*did you mean 'h\.\d'"):
+        Plan({"h.9": "full_shard"}).validate(model)
+    with pytest.raises(PlanError, match="module 'h.0': split=2 needs an nn.Linear, got Block"):
+        Plan({"h.0": ("full_shard", 2)}).validate(model)
+    with pytest.raises(PlanError, match="module 'h.0.fc': split=128 exceeds out_features=85"):
+        Plan({"h.0.fc": ("full_shard", 128)}).validate(model)
+
+
+def test_unknown_mode_in_code() -> None:
+    with pytest.raises(PlanError, match="module 'h.0': unknown mode 'zero3'"):
+        Plan({"h.0": "zero3"})
+
+
+def test_unit_of_is_the_nearest_decided_ancestor() -> None:
+    plan = Plan({"": "no_shard", "h.0": "full_shard", "h.0.fc": ("full_shard", 2)})
+    assert plan.unit_of("h.0.fc") == "h.0.fc"
+    assert plan.unit_of("h.0.ln_1") == "h.0"
+    assert plan.unit_of("h.1.fc") == ""
+    assert plan.mode_of("h.0.attn.out_proj") == "full_shard"
+
+
+def test_default_units_are_blocks() -> None:
+    model = TinyGPT(layers=3)
+    assert default_units(model) == ["h.0", "h.1", "h.2"]
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)))
+    assert default_units(seq) == ["0", "2"]
+    plan = Plan.uniform(model, "full_shard")
+    assert set(plan.decisions) == {"", "h.0", "h.1", "h.2"}
+    assert {d.mode for d in plan.decisions.values()} == {"full_shard"}

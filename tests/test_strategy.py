@@ -1,0 +1,114 @@
+"""The strategy as users reach it: by name, through LightningCLI, with launchers, and with bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_osdp
+from lightning_osdp import OSDPStrategy, Plan, PlanError
+from models import TinyGPT, loaders
+
+
+def _trainer(strategy: object, **kwargs: object) -> L.Trainer:
+    defaults: dict[str, object] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, **defaults)  # type: ignore[arg-type]
+
+
+def test_import_registers_the_strategy_name() -> None:
+    assert "osdp" in StrategyRegistry
+    trainer = L.Trainer(strategy="osdp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, OSDPStrategy)
+    assert trainer.strategy.num_processes == 2
+    assert trainer._accelerator_connector.is_distributed
+
+
+def test_lightning_cli_yaml(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    plan_path = Plan.uniform(TinyGPT(), "full_shard").save(tmp_path / "plan.json")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 2\n"
+        "  strategy:\n"
+        "    class_path: lightning_osdp.OSDPStrategy\n"
+        "    init_args:\n"
+        '      memory_budget: "512MiB"\n'
+        f"      plan: {plan_path}\n"
+    )
+    cli = LightningCLI(TinyGPT, run=False, args=["--config", str(config)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, OSDPStrategy)
+    assert strategy.memory_budget == 512 * 2**20
+    assert strategy.plan is not None and strategy.plan.decisions == Plan.load(plan_path).decisions
+
+
+def test_malformed_plan_file_fails_at_construction(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format": "lightning_osdp.plan", "version": 1, "decisions": {"h.0": {"mode": "zero"}}}))
+    with pytest.raises(PlanError, match="module 'h.0': field 'mode'"):
+        OSDPStrategy(plan=path)
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (Plan({"h.5": "full_shard"}), "plan names module 'h.5'"),
+        (Plan({"h.0": ("full_shard", 2)}), "module 'h.0': split=2 needs an nn.Linear"),
+        (Plan({"": "no_shard", "wte": "full_shard"}), "tied parameter 'wte.weight'"),
+    ],
+)
+def test_bad_plans_fail_before_training(plan: Plan, message: str) -> None:
+    model = TinyGPT()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train, _ = loaders()
+    with pytest.raises(PlanError, match=message):
+        _trainer(OSDPStrategy(plan=plan)).fit(model, train)
+    assert model.losses == []  # not one step ran
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_spawn_launcher_returns_trained_weights_to_the_main_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main process gets the full trained weights back, equal to Lightning's ``ddp_spawn``."""
+    from conftest import free_port
+
+    train, _ = loaders(n=16)
+    results = {}
+    for name, strategy in (
+        ("ddp", "ddp_spawn"),
+        ("osdp", OSDPStrategy(plan=Plan({"": "no_shard", "h.0": "full_shard", "h.1": "shard_grad_op"}), start_method="spawn")),
+    ):
+        # A fresh port: an earlier single-process fit in this pytest process still holds its store's port.
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        L.seed_everything(0)
+        model = TinyGPT()
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        _trainer(strategy, devices=2, max_steps=3).fit(model, train)
+        results[name] = (initial, {k: v.clone() for k, v in model.state_dict().items()})
+    for key, trained in results["osdp"][1].items():
+        torch.testing.assert_close(trained, results["ddp"][1][key], rtol=1e-5, atol=1e-7, msg=key)
+    assert any(not torch.equal(results["osdp"][0][k], v) for k, v in results["osdp"][1].items())
+
+
+def test_version_and_public_names() -> None:
+    for name in lightning_osdp.__all__:
+        assert getattr(lightning_osdp, name).__doc__, f"{name} has no docstring"
