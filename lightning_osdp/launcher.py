@@ -31,9 +31,7 @@ class _OSDPMultiProcessingLauncher(_MultiProcessingLauncher):
         strategy = self._strategy
         assert isinstance(strategy, OSDPStrategy)
         checkpoint_callback = trainer.checkpoint_callback
-        best_model_path = (
-            getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
-        )
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         # Collective: every rank takes part in gathering the shards.
         state_dict = strategy.full_model_state_dict()
         if strategy.local_rank != 0:

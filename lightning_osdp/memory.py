@@ -20,6 +20,7 @@ ATen (``numpy`` arrays). The figure is what a CUDA allocator would report as all
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -114,8 +115,11 @@ class LiveStorageTracker(TorchDispatchMode):
             self._sizes[key] = size
             return
         self._sizes[key] = size
-        self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._free(key))
+        self._refs[key] = weakref.ref(storage, functools.partial(self._on_collected, key))
         self._add(size)
+
+    def _on_collected(self, key: int, _ref: weakref.ref[torch.UntypedStorage]) -> None:
+        self._free(key)
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)

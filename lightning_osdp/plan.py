@@ -134,8 +134,7 @@ class Plan:
                 target = modules[name]
                 if not isinstance(target, nn.Linear):
                     raise PlanError(
-                        f"module {name!r}: split={decision.split} needs an nn.Linear, "
-                        f"got {type(target).__name__}"
+                        f"module {name!r}: split={decision.split} needs an nn.Linear, got {type(target).__name__}"
                     )
                 if target.out_features < decision.split:
                     raise PlanError(
@@ -168,15 +167,11 @@ class Plan:
             )
         raw = data.get("decisions")
         if not isinstance(raw, Mapping):
-            raise PlanError(
-                f"{source}: field 'decisions' must be an object mapping module names to decisions"
-            )
+            raise PlanError(f"{source}: field 'decisions' must be an object mapping module names to decisions")
         decisions: dict[str, Decision] = {}
         for name, entry in raw.items():
             if not isinstance(entry, Mapping):
-                raise PlanError(
-                    f"{source}: module {name!r}: a decision must be an object with 'mode' and 'split'"
-                )
+                raise PlanError(f"{source}: module {name!r}: a decision must be an object with 'mode' and 'split'")
             unknown = set(entry) - {"mode", "split"}
             if unknown:
                 raise PlanError(f"{source}: module {name!r}: unknown field(s) {sorted(unknown)}")

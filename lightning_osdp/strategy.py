@@ -69,7 +69,9 @@ class OSDPStrategy(ParallelStrategy):
         memory_budget: per-device memory the plan must fit, in bytes or as a string (``"512MiB"``, ``"6GiB"``,
             ``"8GB"``). ``None`` means the device's capacity (see
             :func:`~lightning_osdp.budget.device_memory_capacity`).
-        plan: a :class:`~lightning_osdp.Plan`, or the path of a plan file; applied as is when given.
+        plan: a :class:`~lightning_osdp.Plan`, or the path (``str`` or ``os.PathLike``) of a plan file; applied
+            as is when given. (Annotated ``Any`` so that LightningCLI hands a YAML path through unchanged:
+            jsonargparse would otherwise read the file as the ``Plan`` dataclass's fields.)
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (Lightning's subprocess launcher, the default), ``"spawn"``, ``"fork"`` or
@@ -104,6 +106,8 @@ class OSDPStrategy(ParallelStrategy):
         )
         # Parse early: a bad budget string or plan file is an error at construction, before any process starts.
         self._memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
+        if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
+            raise TypeError(f"plan must be a lightning_osdp.Plan or a plan file path, got {type(plan).__name__}")
         self._plan: Plan | None = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan else None)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -188,9 +192,7 @@ class OSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _OSDPMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -199,23 +201,21 @@ class OSDPStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (self.world_size,), mesh_dim_names=("dp",)
-        )
+        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -232,6 +232,7 @@ class OSDPStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model.to(self.root_device)
             plan = self._resolve_plan(trainer)
+            assert self.lightning_module is not None
             self._root = apply_plan(self.lightning_module, plan, mesh=self.device_mesh)
             self.model = self._root
             self._plan = plan
@@ -243,6 +244,7 @@ class OSDPStrategy(ParallelStrategy):
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        _use_sharded_grad_scaler(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -256,9 +258,7 @@ class OSDPStrategy(ParallelStrategy):
     @rank_zero_only
     def _report_plan(self, plan: Plan) -> None:
         budget = format_bytes(self._memory_budget) if self._memory_budget else "n/a"
-        rank_zero_info(
-            f"OSDP: {plan.summary()} on {self.world_size} ranks, memory budget {budget} per device"
-        )
+        rank_zero_info(f"OSDP: {plan.summary()} on {self.world_size} ranks, memory budget {budget} per device")
 
     @override
     def model_to_device(self) -> None:
@@ -285,9 +285,9 @@ class OSDPStrategy(ParallelStrategy):
         return output
 
     def _start_step(self) -> None:
-        if self._monitor is not None and self.lightning_module is not None:
-            if self.lightning_module.trainer.training:
-                self._monitor.start(self.model, *self.optimizers)
+        module = self.lightning_module
+        if self._monitor is not None and module is not None and module.trainer.training:
+            self._monitor.start(self.model, *self.optimizers)
 
     def _end_step(self) -> None:
         if self._monitor is None:
@@ -296,7 +296,8 @@ class OSDPStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if measurement is None or trainer is None or not self.is_global_zero:
             return
-        if (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1) == 0 or measurement.step < 3:
+        every = max(int(getattr(trainer, "log_every_n_steps", 1)), 1)
+        if (trainer.global_step + 1) % every == 0 or measurement.step < 3:
             metrics: dict[str, float] = {"osdp/step_time_s": measurement.seconds}
             if measurement.peak_memory_bytes is not None:
                 metrics["osdp/peak_memory_bytes"] = float(measurement.peak_memory_bytes)
@@ -413,3 +414,15 @@ class OSDPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _use_sharded_grad_scaler(precision: Precision) -> None:
+    """``16-mixed``: gradients are sharded, so an inf/NaN may sit in one rank's shard only; the scaler must agree
+    across ranks on skipping a step. ``ShardedGradScaler`` all-reduces its ``found_inf``, ``GradScaler`` does not."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if not isinstance(precision.scaler, ShardedGradScaler):
+            precision.scaler = ShardedGradScaler(device=precision.device)

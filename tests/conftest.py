@@ -32,7 +32,9 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    script: Path, *args: str, nproc: int = 2, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under ``torch.distributed.run`` with ``nproc`` local ranks; raise with its output on failure."""
     cmd = [
         sys.executable,
@@ -44,7 +46,7 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 600) -> 
         str(script),
         *args,
     ]
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(cmd, env=child_env(**(env or {})), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

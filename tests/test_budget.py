@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp import OSDPStrategy
+from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from models import TinyGPT
 from torch import nn
 
 from lightning_osdp import Plan, PlanError, SplitLinear, apply_plan
@@ -17,11 +18,12 @@ from lightning_osdp.apply.state_dict import (
     unmerge_split_optimizer_state,
     unmerge_split_state,
 )
-from models import TinyGPT
 
 
 def test_tied_holders_in_different_units_form_one_group() -> None:
-    units = plan_units(TinyGPT(), Plan({"": "no_shard", "wte": "full_shard", "lm_head": "full_shard", "h.0": "no_shard"}))
+    units = plan_units(
+        TinyGPT(), Plan({"": "no_shard", "wte": "full_shard", "lm_head": "full_shard", "h.0": "no_shard"})
+    )
     assert [u.names for u in units] == [("h.0",), ("lm_head", "wte")]
     assert units[1].mode == "full_shard"
 
@@ -84,8 +86,10 @@ def test_split_state_dicts_use_the_models_own_keys() -> None:
     model.load_state_dict(unmerge_split_state(merged, splits))
 
     opt = {
-        "state": {f"h.0.fc.slices.{i}.weight": {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 5), float(i))}
-                  for i in range(2)},
+        "state": {
+            f"h.0.fc.slices.{i}.weight": {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 5), float(i))}
+            for i in range(2)
+        },
         "param_groups": [{"lr": 0.1, "params": ["wte.weight", "h.0.fc.slices.0.weight", "h.0.fc.slices.1.weight"]}],
     }
     merged_opt = merge_split_optimizer_state(opt, {"h.0.fc": 2})
@@ -115,7 +119,7 @@ def test_one_rank_training_equals_plain_training(world1: object) -> None:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
     tokens = torch.randint(0, 37, (4, 9), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
-        for net, opt, call in ((model, opts[0], root), (reference, opts[1], reference)):
+        for opt, call in ((opts[0], root), (opts[1], reference)):
             loss = nn.functional.cross_entropy(call(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             opt.step()

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import ROOT, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -40,9 +39,7 @@ RTOL = 1e-5
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("parity")
     torchrun(ROOT / "tests" / "distributed" / "runner.py", str(out), *CASES)
-    return {
-        case: [torch.load(out / f"{case}.rank{r}.pt", weights_only=False) for r in range(2)] for case in CASES
-    }
+    return {case: [torch.load(out / f"{case}.rank{r}.pt", weights_only=False) for r in range(2)] for case in CASES}
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -148,7 +145,9 @@ def test_two_nodes_of_one_process_match_ddp(tmp_path: Path) -> None:
     ]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outputs)
-    runs = {c: [torch.load(tmp_path / f"{c}.rank{r}.pt", weights_only=False) for r in range(2)] for c in ("ddp", "mixed")}
+    runs = {
+        c: [torch.load(tmp_path / f"{c}.rank{r}.pt", weights_only=False) for r in range(2)] for c in ("ddp", "mixed")
+    }
     assert runs["mixed"][0]["plan"]["decisions"]["h.0"]["mode"] == "full_shard"
     for rank in range(2):
         assert_matches(runs["mixed"][rank], runs["ddp"][rank], RTOL)

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from models import TinyGPT
 from torch import nn
 
 from lightning_osdp import Decision, Plan, PlanError, default_units
 from lightning_osdp.plan import PLAN_FORMAT, PLAN_VERSION
-from models import TinyGPT
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
@@ -32,7 +32,10 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
         ({"format": PLAN_FORMAT, "version": 99, "decisions": {}}, "version 99 is not supported"),
         ({"format": PLAN_FORMAT, "version": 1}, "field 'decisions'"),
         ({"format": PLAN_FORMAT, "version": 1, "decisions": {"h.0": {"mode": "zero3"}}}, "module 'h.0': field 'mode'"),
-        ({"format": PLAN_FORMAT, "version": 1, "decisions": {"h.1": {"split": 2}}}, "module 'h.1': field 'mode' is missing"),
+        (
+            {"format": PLAN_FORMAT, "version": 1, "decisions": {"h.1": {"split": 2}}},
+            "module 'h.1': field 'mode' is missing",
+        ),
         (
             {"format": PLAN_FORMAT, "version": 1, "decisions": {"h.2": {"mode": "full_shard", "split": 0}}},
             "module 'h.2': field 'split'",

@@ -9,10 +9,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
+from models import TinyGPT, loaders
 
 import lightning_osdp
 from lightning_osdp import OSDPStrategy, Plan, PlanError
-from models import TinyGPT, loaders
 
 
 def _trainer(strategy: object, **kwargs: object) -> L.Trainer:
@@ -95,7 +95,12 @@ def test_spawn_launcher_returns_trained_weights_to_the_main_process(monkeypatch:
     results = {}
     for name, strategy in (
         ("ddp", "ddp_spawn"),
-        ("osdp", OSDPStrategy(plan=Plan({"": "no_shard", "h.0": "full_shard", "h.1": "shard_grad_op"}), start_method="spawn")),
+        (
+            "osdp",
+            OSDPStrategy(
+                plan=Plan({"": "no_shard", "h.0": "full_shard", "h.1": "shard_grad_op"}), start_method="spawn"
+            ),
+        ),
     ):
         # A fresh port: an earlier single-process fit in this pytest process still holds its store's port.
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -112,3 +117,27 @@ def test_spawn_launcher_returns_trained_weights_to_the_main_process(monkeypatch:
 def test_version_and_public_names() -> None:
     for name in lightning_osdp.__all__:
         assert getattr(lightning_osdp, name).__doc__, f"{name} has no docstring"
+
+
+def test_measured_step_time_and_peak_memory_reach_the_logger(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    model = TinyGPT()
+    train, _ = loaders()
+    plan = Plan({"": "no_shard", "h.0": "full_shard"})
+    strategy = OSDPStrategy(plan=plan)
+    trainer = _trainer(strategy, max_steps=4, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1)
+    trainer.fit(model, train)
+    import csv
+
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    peaks = [float(r["osdp/peak_memory_bytes"]) for r in rows if r.get("osdp/peak_memory_bytes")]
+    times = [float(r["osdp/step_time_s"]) for r in rows if r.get("osdp/step_time_s")]
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert strategy.step_time == pytest.approx(sorted(times[1:])[1])  # median of steps 1..3
+    # One rank: everything is local. The peak holds at least the parameters, their gradients and AdamW's two
+    # states (4 x parameter bytes) plus the activations of a step.
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert peaks and strategy.peak_memory_bytes == max(peaks)
+    assert strategy.peak_memory_bytes > 4 * param_bytes

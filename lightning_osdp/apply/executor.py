@@ -215,9 +215,7 @@ def _bottom_up(units: Sequence[Unit]) -> list[Unit]:
         ready = [
             u
             for u in remaining
-            if not any(
-                v is not u and any(n.startswith(m + ".") for n in v.names for m in u.names) for v in remaining
-            )
+            if not any(v is not u and any(n.startswith(m + ".") for n in v.names for m in u.names) for v in remaining)
         ]
         ready.sort(key=lambda u: (-u.depth, u.names))
         ordered.extend(ready)

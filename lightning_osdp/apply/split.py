@@ -59,10 +59,11 @@ class SplitLinear(nn.Module):
             device=first.weight.device,
             dtype=first.weight.dtype,
         )
+        parts = [p for p in self.slices if isinstance(p, nn.Linear)]
         with torch.no_grad():
-            out.weight.copy_(torch.cat([p.weight for p in self.slices], dim=0))  # type: ignore[union-attr]
+            out.weight.copy_(torch.cat([p.weight for p in parts], dim=0))
             if out.bias is not None:
-                out.bias.copy_(torch.cat([p.bias for p in self.slices], dim=0))  # type: ignore[union-attr]
+                out.bias.copy_(torch.cat([p.bias for p in parts], dim=0))
         return out
 
     def extra_repr(self) -> str:

@@ -84,23 +84,17 @@ def run(case: str, out: Path) -> None:
     kwargs: dict[str, Any] = {"precision": "32-true"}
     probe = GradSyncProbe()
     callbacks: list[Callback] = [probe]
-    if variant == "bf16-mixed":
-        kwargs["precision"] = "bf16-mixed"
-    elif variant == "bf16-true":
-        kwargs["precision"] = "bf16-true"
+    if variant in ("32-true", "bf16-mixed", "bf16-true", "16-mixed"):
+        kwargs["precision"] = variant
     elif variant == "accum_clip":
         kwargs.update(accumulate_grad_batches=2, gradient_clip_val=0.05)
     elif variant == "sgd":
         model = TinyGPT(optimizer="sgd")
-    strategy: Any
-    if name == "ddp":
-        strategy = "ddp"
-    else:
-        strategy = OSDPStrategy(plan=Plan(PLANS[name]))
+    strategy: Any = "ddp" if name == "ddp" else OSDPStrategy(plan=Plan(PLANS[name]))
     # 2 nodes x 1 process when the test launches two single-process torchrun agents.
     num_nodes = int(os.environ.get("OSDP_TEST_NUM_NODES", "1"))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=os.environ.get("OSDP_TEST_ACCELERATOR", "cpu"),
         devices=2 // num_nodes,
         num_nodes=num_nodes,
         strategy=strategy,
