@@ -41,14 +41,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp.apply import OSDPModule, apply_plan
-from lightning_osdp.apply.state_dict import (
-    merge_split_optimizer_state,
-    merge_split_state,
-    split_modules,
-    unmerge_split_optimizer_state,
-    unmerge_split_state,
-)
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import Plan
@@ -78,6 +72,9 @@ class OSDPStrategy(ParallelStrategy):
             ``"forkserver"``.
         memory_steps: on CPU, how many of the first optimizer steps are run under the live-storage tracker
             that measures peak memory (it costs Python time per operator). CUDA measures every step.
+        state_dict_type: ``"sharded"`` (default): checkpoints are directories that every rank writes its shards
+            into, in parallel (torch.distributed.checkpoint); ``"full"``: one consolidated file written by rank 0.
+            Either loads under any plan and world size (see ``docs/checkpointing.md``).
     """
 
     strategy_name = "osdp"
@@ -96,6 +93,7 @@ class OSDPStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: _StartMethod = "popen",
         memory_steps: int = 3,
+        state_dict_type: osdp_checkpoint.StateDictType = "sharded",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -114,6 +112,9 @@ class OSDPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._device_mesh: DeviceMesh | None = None
         self._memory_steps = memory_steps
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
+        self._state_dict_type: osdp_checkpoint.StateDictType = state_dict_type
         self._monitor: StepMonitor | None = None
         self._root: OSDPModule | None = None
         self.num_nodes = 1
@@ -349,63 +350,99 @@ class OSDPStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ state
-    def full_model_state_dict(self) -> dict[str, Any]:
-        """The unsharded model state dict in CPU memory on rank 0, empty elsewhere (a collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    # Checkpoint logic lives in `lightning_osdp.checkpoint`; these methods only pass Lightning's calls on.
+    @property
+    def state_dict_type(self) -> osdp_checkpoint.StateDictType:
+        """``"sharded"`` (a DCP directory, every rank writes its shards) or ``"full"`` (one file from rank 0)."""
+        return self._state_dict_type
 
-        assert self.lightning_module is not None
-        state = get_model_state_dict(
-            self.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    def _checkpoint_context(self) -> osdp_checkpoint.CheckpointContext:
+        return osdp_checkpoint.CheckpointContext(
+            world_size=self.world_size,
+            plan=self._plan,
+            profile=getattr(self, "profile", None),
+            memory_budget=self._memory_budget,
         )
-        return merge_split_state(state, split_modules(self.lightning_module))
+
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("checkpoints need the LightningModule attached to the strategy")
+        return self.lightning_module
+
+    def full_model_state_dict(self) -> dict[str, Any]:
+        """The unsharded model state dict (the model's own keys) in CPU memory on rank 0, empty elsewhere.
+
+        A collective."""
+        return osdp_checkpoint.full_model_state(self._module())
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.full_model_state_dict()
+        """Sharded: this rank's shards (DTensors; split slices under their slice names until saved). Full: the
+        gathered state on rank 0. A collective for ``"full"``."""
+        if self._state_dict_type == "sharded":
+            return osdp_checkpoint.sharded_model_state(self._module())
+        return osdp_checkpoint.full_model_state(self._module())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        assert self.lightning_module is not None
-        state = get_optimizer_state_dict(
-            self.lightning_module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return merge_split_optimizer_state(state, split_modules(self.lightning_module))
+        if self._state_dict_type == "sharded":
+            return osdp_checkpoint.sharded_optimizer_state(self._module(), optimizer)
+        return osdp_checkpoint.full_optimizer_state(self._module(), optimizer)
 
+    @property
     @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        assert self.lightning_module is not None
-        set_model_state_dict(
-            self.lightning_module,
-            unmerge_split_state(dict(checkpoint["state_dict"]), split_modules(self.lightning_module)),
-            options=StateDictOptions(full_state_dict=True, strict=strict),
-        )
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        assert self.lightning_module is not None
-        splits = split_modules(self.lightning_module)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
-            set_optimizer_state_dict(
-                self.lightning_module,
-                optimizer,
-                unmerge_split_optimizer_state(state, splits),
-                options=StateDictOptions(full_state_dict=True),
-            )
+    def lightning_restore_optimizer(self) -> bool:
+        # Lightning calls `load_optimizer_state_dict` only when fitting and after checking that the checkpoint has
+        # optimizer states (a clear error for weights-only checkpoints); sharded states are read there, in place.
+        return True
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
+        if storage_options is not None and self._state_dict_type == "sharded":
+            raise TypeError(
+                "OSDPStrategy(state_dict_type='sharded') writes with torch.distributed.checkpoint, not the "
+                "CheckpointIO plugin: `storage_options` is not supported"
+            )
+
+        def write_file(content: dict[str, Any], path: Path) -> None:
+            self.checkpoint_io.save_checkpoint(content, path, storage_options=storage_options)
+
+        osdp_checkpoint.save_checkpoint(
+            checkpoint,
+            filepath,
+            module=self._module(),
+            context=self._checkpoint_context(),
+            state_dict_type=self._state_dict_type,
+            write_file=write_file,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        # Rank 0's path for all: every rank must read the same checkpoint.
+        path = Path(self.broadcast(checkpoint_path))
+        checkpoint = osdp_checkpoint.load_checkpoint(
+            path, read_file=lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only)
+        )
+        rank_zero_info(osdp_checkpoint.describe_resume(path, checkpoint, self._checkpoint_context()))
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        osdp_checkpoint.load_model_state(self._module(), checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        osdp_checkpoint.load_optimizer_states(self._module(), optimizers, checkpoint)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            osdp_checkpoint.remove_checkpoint(filepath)
 
     @override
     def teardown(self) -> None:

@@ -104,7 +104,11 @@ def unmerge_split_optimizer_state(osd: dict[str, Any], splits: dict[str, int]) -
             for i in range(k):
                 state[_slice_key(name, i, leaf)] = {
                     field: (
-                        torch.tensor_split(v, k, dim=0)[i].clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                        torch.tensor_split(v, k, dim=0)[i].clone()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0
+                        # Scalars (Adam's `step`) are cloned too: optimizers update them in place, and k slices
+                        # sharing one tensor would count k steps per step.
+                        else (v.clone() if isinstance(v, torch.Tensor) else v)
                     )
                     for field, v in entry.items()
                 }

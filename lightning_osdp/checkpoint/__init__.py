@@ -1,0 +1,76 @@
+"""Stage 5 of the pipeline: checkpoints that do not depend on the plan.
+
+``sharded`` (default): a directory written by every rank in parallel with torch.distributed.checkpoint, keyed by the
+unsharded model's own state-dict names, plus Lightning's metadata, the plan and the profile; it loads under any plan
+and world size. ``full``: one consolidated ``torch.save`` file, as Lightning's DDP writes. :func:`consolidate` turns
+the first into the second. Saves are atomic; incomplete or mismatched checkpoints are refused with a message that
+names the problem. See ``docs/checkpointing.md``.
+"""
+
+from lightning_osdp.checkpoint.consolidation import consolidate
+from lightning_osdp.checkpoint.context import CheckpointContext
+from lightning_osdp.checkpoint.dispatch import (
+    StateDictType,
+    describe_resume,
+    load_checkpoint,
+    load_model_state,
+    load_optimizer_states,
+    save_checkpoint,
+)
+from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompleteCheckpointError
+from lightning_osdp.checkpoint.full import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    save_full_checkpoint,
+)
+from lightning_osdp.checkpoint.keys import SliceMap
+from lightning_osdp.checkpoint.layout import Manifest, is_sharded_checkpoint, read_manifest, remove_checkpoint
+from lightning_osdp.checkpoint.resume import PlanChoice, SavedPlan, resume_plan, saved_plan
+from lightning_osdp.checkpoint.sharded import (
+    ShardedState,
+    load_sharded_model_state,
+    load_sharded_optimizer_state,
+    open_sharded_checkpoint,
+    read_sharded_tensors,
+    save_sharded_checkpoint,
+    sharded_model_state,
+    sharded_optimizer_state,
+)
+
+__all__ = [
+    "CheckpointContext",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "IncompleteCheckpointError",
+    "Manifest",
+    "PlanChoice",
+    "SavedPlan",
+    "ShardedState",
+    "SliceMap",
+    "StateDictType",
+    "consolidate",
+    "describe_resume",
+    "full_model_state",
+    "full_optimizer_state",
+    "is_sharded_checkpoint",
+    "load_checkpoint",
+    "load_full_model_state",
+    "load_full_optimizer_state",
+    "load_model_state",
+    "load_optimizer_states",
+    "load_sharded_model_state",
+    "load_sharded_optimizer_state",
+    "open_sharded_checkpoint",
+    "read_manifest",
+    "read_sharded_tensors",
+    "remove_checkpoint",
+    "resume_plan",
+    "save_checkpoint",
+    "save_full_checkpoint",
+    "save_sharded_checkpoint",
+    "saved_plan",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+]

@@ -1,0 +1,145 @@
+"""One entry point per strategy hook, choosing between sharded directories and full files.
+
+The strategy's checkpoint methods call these and nothing else, so that the strategy stays glue: Lightning's
+``save_checkpoint`` -> :func:`save_checkpoint`, ``load_checkpoint`` -> :func:`load_checkpoint`,
+``load_model_state_dict`` -> :func:`load_model_state`, ``load_optimizer_state_dict`` -> :func:`load_optimizer_states`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_osdp.checkpoint import layout
+from lightning_osdp.checkpoint.context import CheckpointContext
+from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from lightning_osdp.checkpoint.full import load_full_model_state, load_full_optimizer_state, save_full_checkpoint
+from lightning_osdp.checkpoint.sharded import (
+    ShardedState,
+    load_sharded_model_state,
+    load_sharded_optimizer_state,
+    open_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
+
+__all__ = [
+    "StateDictType",
+    "describe_resume",
+    "load_checkpoint",
+    "load_model_state",
+    "load_optimizer_states",
+    "save_checkpoint",
+]
+
+StateDictType = Literal["sharded", "full"]
+
+
+def save_checkpoint(
+    checkpoint: Mapping[str, Any],
+    path: str | Path,
+    *,
+    module: nn.Module,
+    context: CheckpointContext,
+    state_dict_type: StateDictType = "sharded",
+    write_file: Callable[[dict[str, Any], Path], None] | None = None,
+) -> Path:
+    """Save Lightning's checkpoint dict as a sharded directory or a full file (a collective, atomic)."""
+    if state_dict_type == "sharded":
+        return save_sharded_checkpoint(checkpoint, path, module=module, context=context)
+    if state_dict_type == "full":
+        return save_full_checkpoint(checkpoint, path, context=context, write=write_file)
+    raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    read_file: Callable[[Path], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Lightning's checkpoint dict of ``path``: a sharded directory (tensors left on disk as
+    :class:`~lightning_osdp.checkpoint.ShardedState`) or a full file (read with ``read_file``, ``torch.load`` by
+    default). Refuses an incomplete directory; reads no tensor of a directory, and runs no collective.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise layout.missing_checkpoint_error(path)
+    if path.is_dir():
+        checkpoint = open_sharded_checkpoint(path)
+    else:
+        try:
+            checkpoint = (read_file or _torch_load)(path)
+        except Exception as err:
+            raise CheckpointError(
+                f"cannot read checkpoint file {str(path)!r} ({type(err).__name__}: {err}); if a save was interrupted, "
+                "its temporary file is incomplete: load the previous checkpoint"
+            ) from err
+    return checkpoint
+
+
+def load_model_state(module: nn.Module, checkpoint: Mapping[str, Any], *, strict: bool = True) -> None:
+    """Load ``checkpoint["state_dict"]`` into the sharded ``module``: in place from the shards for a sharded
+    checkpoint, from the full dict otherwise (a full file, or a plain Lightning checkpoint of another strategy)."""
+    state = checkpoint.get("state_dict")
+    if isinstance(state, ShardedState):
+        load_sharded_model_state(module, state, strict=strict)
+    elif isinstance(state, Mapping):
+        load_full_model_state(module, state, strict=strict, source=_source(checkpoint))
+    else:
+        raise CheckpointError("the checkpoint has no model state ('state_dict')")
+
+
+def load_optimizer_states(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], checkpoint: Mapping[str, Any]
+) -> None:
+    """Load ``checkpoint["optimizer_states"]`` into ``optimizers``, one state per optimizer, in order."""
+    states = list(checkpoint.get("optimizer_states", []))
+    if len(states) != len(optimizers):
+        raise CheckpointMismatchError(
+            f"checkpoint {_source(checkpoint)} holds {len(states)} optimizer state(s), the model configures "
+            f"{len(optimizers)} optimizer(s)"
+        )
+    for index, (optimizer, state) in enumerate(zip(optimizers, states, strict=True)):
+        if isinstance(state, ShardedState):
+            load_sharded_optimizer_state(module, optimizer, state, index=index)
+        else:
+            load_full_optimizer_state(module, optimizer, state, source=_source(checkpoint))
+
+
+def _source(checkpoint: Mapping[str, Any]) -> str:
+    state = checkpoint.get("state_dict")
+    if isinstance(state, ShardedState):
+        return repr(str(state.path))
+    return "(a full checkpoint file)"
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    return checkpoint
+
+
+def describe_resume(path: str | Path, checkpoint: Mapping[str, Any], context: CheckpointContext) -> str:
+    """One line for the log: what the checkpoint was saved under, and how this run differs."""
+    path = Path(path)
+    entry = checkpoint.get("osdp")
+    if not isinstance(entry, Mapping):
+        return f"OSDP: loading {path}, a checkpoint of another strategy (full state, the model's keys)"
+    saved_ranks = entry.get("world_size")
+    plan = entry.get("plan")
+    if isinstance(plan, str) and path.is_dir():
+        plan = json.loads((path / plan).read_text())
+    same_plan = (
+        context.plan is not None
+        and isinstance(plan, Mapping)
+        and context.plan.to_dict()["decisions"] == plan.get("decisions")
+    )
+    same = same_plan and saved_ranks == context.world_size
+    return (
+        f"OSDP: loading {entry.get('state_dict_type', '?')} checkpoint {path} (step {entry.get('global_step')}, "
+        f"saved on {saved_ranks} ranks) {'under the same plan' if same_plan else 'under another plan'} on "
+        f"{context.world_size} ranks" + ("" if same else ": DCP reshards it, the keys are the model's own")
+    )

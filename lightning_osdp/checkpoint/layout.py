@@ -1,0 +1,304 @@
+"""What a checkpoint looks like on disk, and how it gets there atomically.
+
+A sharded checkpoint is a directory::
+
+    epoch=0-step=8.ckpt/
+        __0_0.distcp        rank 0's shards of the model and optimizer state (DCP)
+        __1_0.distcp        rank 1's shards ...
+        .metadata           DCP's index: every tensor's global shape and which file holds which chunk
+        meta.pt             Lightning's checkpoint without the tensors: epoch, step, loops, callbacks,
+                            hyper-parameters, LR schedulers, precision plugin (torch.save)
+        plan.json           the plan in force (lightning_osdp.plan format)
+        profile.json        the model profile in force, when the strategy had one
+        osdp.json           the manifest, written last: format, world size, budget, and every file's size
+
+A full (consolidated) checkpoint is one ``torch.save`` file: Lightning's checkpoint dict with the model's own
+state-dict keys, optimizer states in PyTorch's format, and an ``"osdp"`` entry (plan, profile, world size, budget).
+
+[Note: atomic saves]
+Every save is written under ``<path>.tmp-<token>`` (same directory, so same file system) and moved to ``<path>``
+by one ``rename`` on rank 0 once every rank has written its files. When ``<path>`` already exists (``last.ckpt``
+saved again) the two are swapped with ``renameat2(RENAME_EXCHANGE)`` where the OS has it, so that ``<path>`` is at
+every instant either the complete old checkpoint or the complete new one; the old one, now at the temporary name,
+is then deleted manifest first. Without RENAME_EXCHANGE the old checkpoint is first renamed to
+``<path>.old-<token>``: a kill in the instant between the two renames leaves it there, intact, and loading
+``<path>`` says where it is.
+
+The manifest is the commit record inside the directory: it is written after all shards and metadata (and
+``fsync``ed), and deleted first when a checkpoint is removed. A directory without it, or whose files no longer have
+the sizes it lists, is an incomplete checkpoint and is refused on load with a message that says so, instead of
+DCP failing later on a missing or short file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_osdp.checkpoint.errors import CheckpointError, IncompleteCheckpointError
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_VERSION",
+    "MANIFEST",
+    "META",
+    "PLAN",
+    "PROFILE",
+    "Manifest",
+    "commit",
+    "is_sharded_checkpoint",
+    "leftovers",
+    "missing_checkpoint_error",
+    "new_token",
+    "read_manifest",
+    "remove_checkpoint",
+    "temporary_path",
+    "write_manifest",
+]
+
+#: ``format`` field of the manifest (and of the ``"osdp"`` entry of a full file).
+CHECKPOINT_FORMAT = "lightning_osdp.checkpoint"
+#: Layout version this release writes and reads.
+CHECKPOINT_VERSION = 1
+MANIFEST = "osdp.json"
+META = "meta.pt"
+PLAN = "plan.json"
+PROFILE = "profile.json"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Manifest:
+    """The commit record of a checkpoint: written last, it says the save completed and what it holds.
+
+    Attributes:
+        state_dict_type: ``"sharded"`` (a DCP directory) or ``"full"`` (one file).
+        world_size: ranks that wrote the checkpoint.
+        memory_budget: the per-device budget (bytes) the plan was made for, if known.
+        optimizers: how many optimizer states the checkpoint holds (0 for a weights-only save).
+        plan: file name of the saved plan (``plan.json``), or ``None``.
+        profile: file name of the saved profile, or ``None``.
+        global_step: Lightning's global step at the save, for messages.
+        epoch: Lightning's epoch at the save.
+        files: every other file of the directory -> its size in bytes (empty for a full file).
+        created: seconds since the epoch.
+        versions: torch / lightning_osdp versions that wrote it.
+    """
+
+    state_dict_type: str
+    world_size: int
+    memory_budget: int | None = None
+    optimizers: int = 0
+    plan: str | None = None
+    profile: str | None = None
+    global_step: int | None = None
+    epoch: int | None = None
+    files: dict[str, int] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document (also the ``"osdp"`` entry of a full file, with the plan and profile inlined)."""
+        return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str) -> Manifest:
+        """Parse a manifest; a foreign or newer document is a :class:`CheckpointError` naming ``source``."""
+        if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{source}: not a lightning_osdp checkpoint manifest")
+        if data.get("version") != CHECKPOINT_VERSION:
+            raise CheckpointError(
+                f"{source}: checkpoint layout version {data.get('version')!r} is not supported (this "
+                f"lightning_osdp reads version {CHECKPOINT_VERSION})"
+            )
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a checkpoint directory (complete or not), as opposed to a file."""
+    return Path(path).is_dir()
+
+
+def new_token() -> str:
+    """A name component unique to one save (time, process, random), for the temporary path."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def temporary_path(path: Path, token: str) -> Path:
+    """Where a save of ``path`` is written before it is committed: ``<path>.tmp-<token>``, beside it."""
+    return path.with_name(f"{path.name}.tmp-{token}")
+
+
+def leftovers(path: Path) -> list[Path]:
+    """Temporary or set-aside siblings of ``path`` left by interrupted saves (``.tmp-*``, ``.old-*``)."""
+    parent = path.parent
+    if not parent.is_dir():
+        return []
+    prefixes = (f"{path.name}.tmp-", f"{path.name}.old-")
+    return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes))
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Record every file of ``directory`` with its size, then write the manifest durably (the commit record)."""
+    files = [p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST]
+    for file in files:
+        # The manifest vouches for these files: they must be on disk before it is (DCP's are already synced).
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    manifest.files = {p.name: p.stat().st_size for p in files}
+    _write_durably(directory / MANIFEST, (json.dumps(manifest.to_dict(), indent=1) + "\n").encode())
+    _fsync_directory(directory)
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest of checkpoint directory ``path``, after checking that the save completed and no file was lost.
+
+    Raises:
+        IncompleteCheckpointError: no manifest (the save was interrupted, or another tool wrote the directory), or
+            a listed file missing or of another size.
+    """
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        hint = (
+            "it is the temporary directory of a save that did not complete (the process was killed or failed mid-save)"
+            if ".tmp-" in path.name
+            else "the save that wrote it did not complete (killed or failed mid-save), or it was not written by "
+            "lightning_osdp"
+        )
+        sibling = _complete_sibling(path)
+        raise IncompleteCheckpointError(
+            f"refusing to load checkpoint {str(path)!r}: it has no {MANIFEST} manifest, so {hint}. Load the "
+            "previous complete checkpoint instead" + (f" ({str(sibling)!r})." if sibling else ".")
+        )
+    try:
+        manifest = Manifest.from_dict(json.loads(manifest_path.read_text()), str(manifest_path))
+    except json.JSONDecodeError as err:
+        raise IncompleteCheckpointError(
+            f"refusing to load checkpoint {str(path)!r}: unreadable manifest ({err})"
+        ) from None
+    lost = []
+    for name, size in manifest.files.items():
+        file = path / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual != size:
+            lost.append(f"{name} ({'missing' if actual is None else f'{actual} bytes'}, expected {size} bytes)")
+    if lost:
+        raise IncompleteCheckpointError(
+            f"refusing to load checkpoint {str(path)!r}: files were lost or truncated after it was written: "
+            + ", ".join(lost)
+        )
+    return manifest
+
+
+def missing_checkpoint_error(path: Path) -> CheckpointError:
+    """The error for a checkpoint path that does not exist, naming what interrupted saves left beside it."""
+    found = leftovers(path)
+    if not found:
+        return CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    complete = [p for p in found if p.is_file() or (p / MANIFEST).is_file()]
+    detail = (
+        f"; the previous checkpoint was set aside intact at {str(complete[0])!r} by an interrupted save"
+        if complete
+        else f"; an interrupted save left {', '.join(repr(str(p)) for p in found)}, which is incomplete"
+    )
+    return CheckpointError(f"checkpoint {str(path)!r} does not exist{detail}")
+
+
+def commit(tmp: Path, path: Path) -> None:
+    """Move the completed save ``tmp`` to ``path`` atomically, replacing what was there (see [Note: atomic saves]).
+
+    Called by one process (rank 0) once every rank's files are written.
+    """
+    if tmp.is_dir():
+        _fsync_directory(tmp)
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        # `tmp` now holds the previous checkpoint.
+        _remove(tmp)
+    elif path.is_file() and tmp.is_file():
+        os.replace(tmp, path)
+    else:
+        aside = path.with_name(f"{path.name}.old-{tmp.name.rpartition('.tmp-')[2]}")
+        os.rename(path, aside)
+        os.rename(tmp, path)
+        _remove(aside)
+    _fsync_directory(path.parent)
+    for stale in leftovers(path):
+        # Earlier interrupted saves of this path, superseded now that a save completed.
+        log.info("removing %s, left by an interrupted save", stale)
+        _remove(stale)
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint file or directory; a directory loses its manifest first, so that a deletion interrupted
+    half-way leaves a directory that is refused as incomplete, never one that looks complete."""
+    _remove(Path(path))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        (path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _complete_sibling(path: Path) -> Path | None:
+    """For ``X.tmp-*`` or ``X.old-*``, ``X`` if it is a complete checkpoint."""
+    for marker in (".tmp-", ".old-"):
+        if marker in path.name:
+            final = path.with_name(path.name.rpartition(marker)[0])
+            if final.is_file() or (final / MANIFEST).is_file():
+                return final
+    return None
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    # A rename or a new file is durable once its directory entry is: fsync the directory (POSIX).
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_libc: Any = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unsupported."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        except OSError:
+            _libc = False
+    if not _libc or not hasattr(_libc, "renameat2"):
+        return False
+    result = _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return bool(result == 0)
