@@ -8,7 +8,8 @@ checkpoints).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Mapping
+import sys
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +46,8 @@ from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp.apply import OSDPModule, apply_plan
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
-from lightning_osdp.plan import Plan
+from lightning_osdp.plan import MODES, Plan
+from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.step_monitor import StepMonitor
 
 if TYPE_CHECKING:
@@ -64,7 +66,9 @@ class OSDPStrategy(ParallelStrategy):
             ``"8GB"``). ``None`` means the device's capacity (see
             :func:`~lightning_osdp.budget.device_memory_capacity`).
         plan: a :class:`~lightning_osdp.Plan`, or the path (``str`` or ``os.PathLike``) of a plan file; applied
-            as is when given. (Annotated ``Any`` so that LightningCLI hands a YAML path through unchanged:
+            as is when given. Without one the strategy profiles the model on the first training batch and solves
+            for the fastest plan under ``memory_budget`` (a resumed run reuses its checkpoint's plan when the
+            world size and the requested budget are unchanged). (Annotated ``Any`` so that LightningCLI hands a YAML path through unchanged:
             jsonargparse would otherwise read the file as the ``Plan`` dataclass's fields.)
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: process-group timeout.
@@ -72,6 +76,12 @@ class OSDPStrategy(ParallelStrategy):
             ``"forkserver"``.
         memory_steps: on CPU, how many of the first optimizer steps are run under the live-storage tracker
             that measures peak memory (it costs Python time per operator). CUDA measures every step.
+        modes: the modes the planner may choose from: ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP,
+            ``("shard_grad_op",)`` ZeRO-2.
+        max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
+        plan_out: where the chosen plan is saved (with the profile beside it as ``*.profile.json``); default
+            ``osdp_plan.json`` in the logger's directory.
+        solver_time_limit: seconds the ILP solver may take; the plan records whether it is proven optimal.
         state_dict_type: ``"sharded"`` (default): checkpoints are directories that every rank writes its shards
             into, in parallel (torch.distributed.checkpoint); ``"full"``: one consolidated file written by rank 0.
             Either loads under any plan and world size (see ``docs/checkpointing.md``).
@@ -94,6 +104,10 @@ class OSDPStrategy(ParallelStrategy):
         start_method: _StartMethod = "popen",
         memory_steps: int = 3,
         state_dict_type: osdp_checkpoint.StateDictType = "sharded",
+        modes: Sequence[str] = MODES,
+        max_split: int = 8,
+        plan_out: str | os.PathLike[str] | None = None,
+        solver_time_limit: float = 10.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -104,6 +118,19 @@ class OSDPStrategy(ParallelStrategy):
         )
         # Parse early: a bad budget string or plan file is an error at construction, before any process starts.
         self._memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
+        # What the user asked for (None: the device's capacity, which drifts between runs on a CPU); a resumed run
+        # reuses its checkpoint's plan when this is unchanged.
+        self._requested_budget = self._memory_budget
+        unknown = [m for m in modes if m not in MODES]
+        if unknown or not modes:
+            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(modes)!r}")
+        if isinstance(max_split, bool) or not isinstance(max_split, int) or max_split < 1:
+            raise ValueError(f"max_split must be an integer >= 1, got {max_split!r}")
+        self._modes = tuple(modes)
+        self._max_split = max_split
+        self._plan_out = plan_out
+        self._solver_time_limit = solver_time_limit
+        self._profile: ModelProfile | None = None
         if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
             raise TypeError(f"plan must be a lightning_osdp.Plan or a plan file path, got {type(plan).__name__}")
         self._plan: Plan | None = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan else None)
@@ -129,6 +156,11 @@ class OSDPStrategy(ParallelStrategy):
     def memory_budget(self) -> int | None:
         """Per-device budget in bytes: the one given, or after setup the device's capacity."""
         return self._memory_budget
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        """The model profile the plan was solved from (``None`` when a plan was given)."""
+        return self._profile
 
     @property
     def monitor(self) -> StepMonitor | None:
@@ -250,11 +282,88 @@ class OSDPStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _resolve_plan(self, trainer: pl.Trainer) -> Plan:
+        """The plan given; else the plan of the checkpoint being resumed, if made for this world size and budget;
+        else profile the model and solve."""
         if self._plan is not None:
             return self._plan
-        from lightning_osdp.planning import plan_for_trainer
+        choice = self._resume_choice()
+        if choice is not None:
+            rank_zero_info(f"OSDP: {choice.reason}")
+            if choice.plan is not None:
+                self._profile = ModelProfile.from_dict(choice.profile) if choice.profile else None
+                return choice.plan
+        return self._profile_and_solve(trainer)
 
-        return plan_for_trainer(self, trainer)
+    def _resume_choice(self) -> osdp_checkpoint.PlanChoice | None:
+        path = _fit_ckpt_path()
+        if path is None or not Path(path).exists():
+            return None
+        saved = osdp_checkpoint.saved_plan(path)
+        return osdp_checkpoint.resume_plan(saved, world_size=self.world_size, memory_budget=self._requested_budget)
+
+    def _profile_and_solve(self, trainer: pl.Trainer) -> Plan:
+        from lightning_osdp.cost_model import predict
+        from lightning_osdp.profiling import profile as profile_model
+        from lightning_osdp.solver import format_plan, solve
+
+        assert self.lightning_module is not None and self._memory_budget is not None
+        batch, source, step = self._representative_batch(trainer)
+        # A collective: every rank profiles its replica, rank 0's figures are broadcast so all plan alike.
+        profile = profile_model(
+            self.lightning_module,
+            batch,
+            device=self.root_device,
+            step=step,
+            batch_source=source,
+            step_context=self.precision_plugin.train_step_context,
+        )
+        self._profile = profile
+        outcome: tuple[Plan | None, BaseException | None] = (None, None)
+        if self.is_global_zero:
+            try:
+                solved = solve(
+                    profile,
+                    self._memory_budget,
+                    self.world_size,
+                    modes=self._modes,
+                    max_split=self._max_split,
+                    time_limit=self._solver_time_limit,
+                )
+                outcome = (solved, None)
+            except Exception as err:  # every rank must raise it, not wait for a plan that never comes
+                outcome = (None, err)
+        plan, error = self.broadcast(outcome)
+        if error is not None:
+            raise error
+        assert plan is not None
+        if self.is_global_zero:
+            print(format_plan(plan, predict(profile, plan, self.world_size), budget=self._memory_budget))
+            out = (
+                Path(self._plan_out)
+                if self._plan_out
+                else Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
+            )
+            plan.save(out)
+            profile.save(out.with_name(out.stem + ".profile.json"))
+            rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
+        return plan
+
+    def _representative_batch(self, trainer: pl.Trainer) -> tuple[Any, str, str]:
+        """The batch profiling runs: the first batch of the fit's train dataloader, else ``example_input_array``
+        through ``forward`` (see ``lightning_osdp.profiling`` [Note: the representative batch])."""
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            loader = trainer.fit_loop._data_source.dataloader()
+            if loader is not None:
+                batch = next(iter(loader))
+                return self.batch_to_device(batch), "first batch of the train dataloader", "training_step"
+        if module.example_input_array is not None:
+            return self.batch_to_device(module.example_input_array), "example_input_array", "forward"
+        raise RuntimeError(
+            "OSDP plans from a representative batch: this run has no train dataloader and the LightningModule "
+            "no `example_input_array`. Set one, or pass a plan with OSDPStrategy(plan=...)."
+        )
 
     @rank_zero_only
     def _report_plan(self, plan: Plan) -> None:
@@ -360,8 +469,8 @@ class OSDPStrategy(ParallelStrategy):
         return osdp_checkpoint.CheckpointContext(
             world_size=self.world_size,
             plan=self._plan,
-            profile=getattr(self, "profile", None),
-            memory_budget=self._memory_budget,
+            profile=self._profile,
+            memory_budget=self._requested_budget,
         )
 
     def _module(self) -> pl.LightningModule:
@@ -463,3 +572,22 @@ def _use_sharded_grad_scaler(precision: Precision) -> None:
 
         if not isinstance(precision.scaler, ShardedGradScaler):
             precision.scaler = ShardedGradScaler(device=precision.device)
+
+
+def _fit_ckpt_path() -> str | None:
+    """The ``ckpt_path`` of the ``Trainer.fit/validate/test`` call now running, or ``None``.
+
+    NOTE: Lightning hands ``ckpt_path`` to ``Trainer._run`` but stores it only after ``strategy.setup``, where the plan
+    must already be chosen; a resumed run that can reuse its checkpoint's plan must see it earlier, so it is read from
+    ``_run``'s frame. If a Lightning release moves it, this finds nothing and the run plans afresh, which is correct,
+    only slower.
+    """
+    import lightning.pytorch as pl
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_run" and isinstance(frame.f_locals.get("self"), pl.Trainer):
+            path = frame.f_locals.get("ckpt_path")
+            return str(path) if path else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
