@@ -41,6 +41,11 @@ class ModuleProfile:
         fwd_seconds: own forward compute time (inclusive time minus the children's inclusive times).
         bwd_seconds: own backward compute time, likewise.
         fwd_flops: own forward FLOPs (``torch.utils.flop_counter``), for the estimated mode and sanity checks.
+        buffer_bytes: bytes of the module's own buffers (BatchNorm statistics, registered masks); FSDP2 never
+            shards buffers, so every rank holds them whatever the mode.
+        optim_scalar_bytes: optimizer state that does not scale with the parameter (Adam's 0-dim ``step``, 4 bytes
+            per parameter tensor): every rank keeps one per parameter tensor it holds, sharded or not. Not part
+            of ``optim_state_bytes``, which is what shards.
     """
 
     name: str
@@ -58,6 +63,8 @@ class ModuleProfile:
     fwd_seconds: float = 0.0
     bwd_seconds: float = 0.0
     fwd_flops: int = 0
+    buffer_bytes: int = 0
+    optim_scalar_bytes: int = 0
 
 
 @dataclass
@@ -94,8 +101,13 @@ class ModelProfile:
         optimizer: the optimizer's class name, and ``optim_state_factor``: state bytes per trainable
             parameter byte it keeps (Adam/AdamW 2, SGD with momentum 1, plain SGD 0).
         tied: groups of module names that hold one shared parameter.
-        batch: description of the representative batch (shapes, dtypes, where it came from).
-        step_overhead_seconds: per-step time outside modules (loss, optimizer step, framework), measured.
+        batch: description of the representative batch: ``tensors`` (shape, dtype, device of each), ``bytes``
+            (their storages) and ``source`` (where it came from).
+        step_overhead_seconds: per-step time outside modules (loss, optimizer step, framework): the measured time
+            of a whole unhooked step (forward, backward, ``optimizer.step()``, ``zero_grad``) less the modules' own
+            forward and backward times, so that the modules' times plus this add up to the measured step.
+        optimizer_step_seconds: the part of ``step_overhead_seconds`` spent in ``optimizer.step()`` over the
+            unsharded parameters (it shrinks with the parameters a rank updates).
         extra_activation_bytes: saved-for-backward bytes outside any module's forward (loss computation).
         profiling_seconds: wall time spent profiling (collectives included).
         info: anything else (torch version, rates measured for the estimated mode...).
@@ -114,6 +126,13 @@ class ModelProfile:
     extra_activation_bytes: int = 0
     profiling_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    optimizer_step_seconds: float = 0.0
+
+    def __str__(self) -> str:
+        """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""
+        from lightning_osdp.profiling.report import format_profile
+
+        return format_profile(self)
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,499 @@
+"""``profile``: stage 1 of the pipeline, a :class:`ModelProfile` of the user's model on this device.
+
+[Note: measured and estimated]
+*Measured* (the model fits): a copy of the model runs real steps on the device. One traced step records
+activations, FLOPs, gradients and optimizer state and warms up (it allocates the optimizer state); then
+``repeats`` hooked steps (own times per module) alternate with ``repeats`` plain steps (the whole step's time,
+and the optimizer step's); per-module times are medians over the hooked steps.
+
+*Estimated* (the model does not fit, or is on the meta device): a copy whose parameters are fake tensors
+(``FakeTensorMode``: shapes, dtypes and devices, no memory) runs one traced step, backward and optimizer step
+included. Bytes come out exactly as in the measured mode (same operators, same saved tensors); times are the
+operators' FLOPs and bytes converted by rates benchmarked on the device (``rates``). ``.item()`` in the user's
+step yields a symbolic value, so logging-style code runs; control flow that depends on tensor values cannot run
+on fake tensors and is reported as a :class:`ProfilingError`.
+
+``mode="auto"`` measures when a copy of the parameters with their gradients and optimizer state takes at most
+half the memory available on the device now, and estimates otherwise (always for a model on the meta device).
+
+[Note: the representative batch]
+The caller gives the batch; its shapes decide activation sizes and times, so it must be a full-size batch of the
+run (not a smaller last batch), on this rank (the per-device batch). The strategy passes the first batch of the
+fit's train dataloader, which runs the real ``training_step`` and its loss; failing that, the LightningModule's
+``example_input_array`` with ``step="forward"`` (it is ``forward``'s input, and the loss is then the output's
+sum). ``batch_source`` records which. A user who wants another batch profiles it and hands the profile over.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves, tree_map
+
+from lightning_osdp.budget import device_memory_capacity
+from lightning_osdp.profiling.collectives import DEFAULT_SIZES, benchmark_collectives, zero_cost_collectives
+from lightning_osdp.profiling.errors import ProfilingError
+from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
+from lightning_osdp.profiling.optimizer_state import (
+    OptimizerSpec,
+    OptimizerState,
+    optimizers_from_lightning_module,
+    rebuild_optimizers,
+    state_copies,
+    state_from_instance,
+    state_from_proxy,
+    state_from_rule,
+)
+from lightning_osdp.profiling.parameters import account_parameters, grad_bytes_by_module
+from lightning_osdp.profiling.rates import DeviceRates, measure_copy_bandwidth, measure_device_rates
+from lightning_osdp.profiling.replica import fake_replica, measured_replica
+from lightning_osdp.profiling.step import LossFn, StepRunner, describe_batch, is_lightning_module
+from lightning_osdp.profiling.timing import device_clock, no_gc
+from lightning_osdp.profiling.tracer import ModuleTracer, OpTally, StepRecord
+
+__all__ = ["MODES", "profile"]
+
+#: Accepted values of ``profile(mode=...)``.
+MODES = ("auto", "measured", "estimated")
+
+# The share of the device's available memory a measured profile may take (see [Note: measured and estimated]).
+_MEASURED_SHARE = 0.5
+
+
+def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for p in module.parameters()}.values())
+
+
+def _resolve_device(module: nn.Module, device: torch.device | str | None, on_meta: bool) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if on_meta:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return next(iter(module.parameters())).device
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return device_memory_capacity(device)
+
+
+def _choose_mode(
+    mode: str, module: nn.Module, on_meta: bool, device: torch.device, copies: float, available: int | None
+) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if on_meta:
+        if mode == "measured":
+            raise ProfilingError(f"{type(module).__name__} is on the meta device: it can only be estimated")
+        return "estimated"
+    if mode != "auto":
+        return mode
+    params = sum(p.numel() * p.element_size() for p in _unique_parameters(module))
+    trainable = sum(p.numel() * p.element_size() for p in _unique_parameters(module) if p.requires_grad)
+    needed = params + trainable * (1.0 + copies)
+    limit = _available_memory(device) if available is None else available
+    return "measured" if needed <= _MEASURED_SHARE * limit else "estimated"
+
+
+def _floating_dtype(module: nn.Module) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for p in _unique_parameters(module):
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=lambda d: counts[d]) if counts else torch.float32
+
+
+class _Session:
+    """One profiling run over the work copy: the traced step, then timed steps (measured mode)."""
+
+    def __init__(
+        self,
+        work: nn.Module,
+        runner: StepRunner,
+        optimizers: list[Optimizer],
+        device: torch.device,
+        estimated: bool,
+    ) -> None:
+        self.work = work
+        self.runner = runner
+        self.optimizers = optimizers
+        self.estimated = estimated
+        self.clock = device_clock(device)
+        self.tracer = ModuleTracer(work, self.clock)
+        self.state = OptimizerState()
+        self.grad_bytes: dict[str, int] = {}
+        self.failed_optimizers: list[Optimizer] = []
+
+    def _backward(self, loss: Tensor, tracer: ModuleTracer | None) -> None:
+        if not loss.requires_grad:
+            return  # nothing trainable in the step: no backward to profile
+        try:
+            if tracer is not None:
+                tracer.backward(loss)
+            else:
+                loss.backward()
+        except Exception as error:
+            raise ProfilingError(
+                f"backward of {self.runner.name}'s loss failed on the example batch: {type(error).__name__}: {error}"
+            ) from error
+
+    def _step_optimizers(self) -> None:
+        for optimizer in self.optimizers:
+            if optimizer in self.failed_optimizers:
+                continue
+            try:
+                optimizer.step()
+            except Exception as error:
+                if not self.estimated:
+                    raise ProfilingError(
+                        f"{type(optimizer).__name__}.step() failed on the profiled copy of {self.runner.name}: "
+                        f"{type(error).__name__}: {error}"
+                    ) from error
+                self.failed_optimizers.append(optimizer)
+
+    def _zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if not self.optimizers:
+            for p in self.work.parameters():
+                p.grad = None
+
+    def traced_step(self) -> StepRecord:
+        """The step that records activations, FLOPs, gradients and optimizer state."""
+        excluded = [*self.work.parameters(), *self.work.buffers(), *tree_leaves(self.runner.batch)]
+        with self.tracer.iteration(memory=True, ops=True, excluded=excluded) as record:
+            with self.tracer.forward():
+                loss = self.runner.forward_loss()
+            self._backward(loss, self.tracer)
+            self.grad_bytes = grad_bytes_by_module(self.work)
+            unknown = state_from_rule(self.optimizers, self.work, self.state)
+            with self.tracer.optimizer():
+                self._step_optimizers()
+            stepped = [o for o in unknown if o not in self.failed_optimizers]
+            if stepped:
+                state_from_instance(stepped, self.work, self.state)
+                self.state.source = "instance"
+            failed = [o for o in unknown if o in self.failed_optimizers]
+            if failed:
+                state_from_proxy(failed, self.work, self.state)
+            self._zero_grad()
+        return record
+
+    def hooked_step(self) -> StepRecord:
+        """A step whose time is attributed to modules (hooks, no operator tracing)."""
+        with self.tracer.iteration() as record:
+            with self.tracer.forward():
+                loss = self.runner.forward_loss()
+            self._backward(loss, self.tracer)
+            self._step_optimizers()
+            self._zero_grad()
+        return record
+
+    def plain_step(self) -> tuple[float, float]:
+        """``(step seconds, optimizer-step seconds)`` of a step without any hook."""
+        start = self.clock()
+        loss = self.runner.forward_loss()
+        self._backward(loss, None)
+        before = self.clock()
+        self._step_optimizers()
+        after = self.clock()
+        self._zero_grad()
+        return self.clock() - start, after - before
+
+
+def _module_profiles(
+    work: nn.Module, record: StepRecord, session: _Session, times: dict[str, tuple[float, float]]
+) -> dict[str, ModuleProfile]:
+    own, _ = account_parameters(work)
+    names = [name for name, _ in work.named_modules()]
+    children: dict[str, list[str]] = {name: [] for name in names}
+    parents: dict[str, str | None] = {}
+    for name in names:
+        parent = None if name == "" else (name.rsplit(".", 1)[0] if "." in name else "")
+        while parent is not None and parent not in children:  # a parent deduplicated away by named_modules
+            parent = None if parent == "" else (parent.rsplit(".", 1)[0] if "." in parent else "")
+        parents[name] = parent
+        if parent is not None:
+            children[parent].append(name)
+    profiles = {}
+    for name, mod in work.named_modules():
+        figures, traced = own[name], record.modules[name]
+        fwd, bwd = times[name]
+        profiles[name] = ModuleProfile(
+            name=name,
+            type=type(mod).__name__,
+            parent=parents[name],
+            children=children[name],
+            param_count=figures.param_count,
+            param_bytes=figures.param_bytes,
+            param_shapes=figures.param_shapes,
+            trainable_param_bytes=figures.trainable_param_bytes,
+            grad_bytes=session.grad_bytes.get(name, 0),
+            optim_state_bytes=session.state.tensor_bytes.get(name, 0),
+            activation_bytes=traced.activation_bytes,
+            output_bytes=traced.output_bytes,
+            fwd_seconds=fwd,
+            bwd_seconds=bwd,
+            fwd_flops=traced.fwd_flops,
+            buffer_bytes=figures.buffer_bytes,
+            optim_scalar_bytes=session.state.scalar_bytes.get(name, 0),
+        )
+    return profiles
+
+
+def _optimizer_traffic_estimate(session: _Session) -> OpTally:
+    # An optimizer whose step cannot run on fake tensors: read parameter and gradient, write the parameter, and
+    # read and write each state tensor once per step.
+    tally = OpTally()
+    for optimizer in session.failed_optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None or p.requires_grad:
+                    nbytes = p.numel() * p.element_size()
+                    tally.memory_ops += 1
+                    tally.memory_bytes += 3 * nbytes
+    tally.memory_bytes += 2 * session.state.total_tensor_bytes
+    return tally
+
+
+@dataclass
+class _Timing:
+    modules: dict[str, tuple[float, float]]  # own (forward, backward) seconds
+    overhead: float
+    optimizer: float
+
+
+def _measured_timing(session: _Session, record: StepRecord, repeats: int, info: dict[str, Any]) -> _Timing:
+    hooked: list[StepRecord] = []
+    plain: list[tuple[float, float]] = []
+    with no_gc():
+        for _ in range(repeats):
+            # Alternating the two kinds spreads a change of machine load over both.
+            hooked.append(session.hooked_step())
+            plain.append(session.plain_step())
+    modules = {
+        name: (
+            statistics.median(r.modules[name].fwd_seconds for r in hooked),
+            statistics.median(r.modules[name].bwd_seconds for r in hooked),
+        )
+        for name in record.modules
+    }
+    step = statistics.median(s for s, _ in plain)
+    optimizer = statistics.median(o for _, o in plain)
+    unattributed = step - sum(f + b for f, b in modules.values())
+    info["measured_step_seconds"] = step
+    info["unattributed_seconds"] = unattributed
+    # Noise can make the modules' medians add up to more than the step's: the optimizer step is a floor.
+    return _Timing(modules, max(unattributed, optimizer), optimizer)
+
+
+def _estimated_timing(session: _Session, record: StepRecord, rates: DeviceRates, info: dict[str, Any]) -> _Timing:
+    modules = {name: (rates.seconds(r.fwd_ops), rates.seconds(r.bwd_ops)) for name, r in record.modules.items()}
+    optimizer_ops = OpTally()
+    optimizer_ops += record.optimizer_ops
+    if session.failed_optimizers:
+        optimizer_ops += _optimizer_traffic_estimate(session)
+        info["optimizer_time"] = "traffic estimate (its step does not run on fake tensors)"
+    optimizer = rates.seconds(optimizer_ops)
+    overhead = rates.seconds(record.outside.fwd_ops) + rates.seconds(record.outside.bwd_ops) + optimizer
+    info["rates"] = rates.to_dict()
+    info["estimated_step_seconds"] = overhead + sum(f + b for f, b in modules.values())
+    return _Timing(modules, overhead, optimizer)
+
+
+def _collective_sizes(param_bytes: int) -> list[int]:
+    # Collectives of a plan never exceed the model's parameter bytes: measure up to the first size covering them.
+    sizes = []
+    for size in DEFAULT_SIZES:
+        sizes.append(size)
+        if size >= param_bytes and len(sizes) >= 2:
+            break
+    return sizes
+
+
+def _collectives(
+    collectives: Mapping[str, CollectiveFit] | None, group: Any, param_bytes: int, budget: float
+) -> dict[str, CollectiveFit]:
+    if collectives is not None:
+        return dict(collectives)
+    if not (dist.is_available() and dist.is_initialized()):
+        return zero_cost_collectives(1)
+    return benchmark_collectives(group, sizes=_collective_sizes(param_bytes), time_budget_seconds=budget)
+
+
+def profile(
+    module: nn.Module,
+    example_batch: Any,
+    *,
+    optimizer: OptimizerSpec | None = None,
+    loss_fn: LossFn | None = None,
+    step: str = "auto",
+    device: torch.device | str | None = None,
+    group: Any = None,
+    collectives: Mapping[str, CollectiveFit] | None = None,
+    repeats: int = 3,
+    mode: str = "auto",
+    step_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    batch_source: str = "argument",
+    available_memory: int | None = None,
+    collective_time_budget: float = 2.0,
+) -> ModelProfile:
+    """Profile one training step of ``module`` on ``example_batch``: per-module memory and time, and collectives.
+
+    The model itself is left as it was: profiling runs a copy (see ``replica``), the global RNG state is restored,
+    and ``self.log`` is a no-op meanwhile. When a process group is initialised this is a collective call: every
+    rank of ``group`` must call it, the collectives are benchmarked on ``group``, and every rank returns rank 0's
+    profile (so that every rank builds the same plan).
+
+    Args:
+        module: a LightningModule (the step is ``training_step(batch, 0)``; the loss is its return value or its
+            ``"loss"``) or a plain ``nn.Module`` (``forward(batch)``, then ``loss_fn``), see ``step``. Its
+            parameters may be on the meta device (estimated mode).
+        example_batch: a representative, full-size batch (see [Note: the representative batch]).
+        optimizer: the optimizer(s) built on ``module``'s parameters, an optimizer class, or a factory
+            ``params -> optimizer``. Default: ``configure_optimizers()`` of a LightningModule; no optimizer for a
+            plain module. Its type decides the optimizer-state bytes (see ``optimizer_state``) and its step is timed.
+        loss_fn: ``loss_fn(output, batch)``, the loss when the step is ``forward`` (default: the output's sum).
+        step: ``"training_step"`` or ``"forward"``; ``"auto"`` is ``training_step`` for a LightningModule and
+            ``forward`` otherwise. Use ``"forward"`` with a LightningModule's ``example_input_array``, which is
+            ``forward``'s input, not a training batch.
+        device: where to run (measured) or what to estimate for; default the parameters' device (CUDA if
+            available, else CPU, for a model on the meta device).
+        group: the process group whose collectives are measured; default the world, when initialised.
+        collectives: fits measured before (a saved profile's): no benchmark then.
+        repeats: timed steps (measured mode), after one traced warm-up step.
+        mode: ``"measured"``, ``"estimated"`` or ``"auto"`` (see [Note: measured and estimated]).
+        step_context: factory of the context the forward runs in (the precision plugin's ``forward_context``).
+        batch_source: where the batch came from, recorded in ``ModelProfile.batch``.
+        available_memory: bytes ``"auto"`` may count on; default what the device has available now.
+        collective_time_budget: seconds the collective benchmark may take (see ``benchmark_collectives``).
+
+    Raises:
+        ProfilingError: the model has no parameters, the batch does not run through it (the message names the
+            class and the batch's shapes), its optimizer cannot be rebuilt, or estimated mode meets code that
+            depends on tensor values.
+    """
+    start = time.perf_counter()
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"profile() takes an nn.Module, not {type(module).__name__}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    name = type(module).__name__
+    params = _unique_parameters(module)
+    if not params:
+        raise ProfilingError(f"{name} has no parameters: there is nothing to shard, so nothing to profile")
+    on_meta = any(t.is_meta for t in [*params, *module.buffers()])
+    target = _resolve_device(module, device, on_meta)
+    param_names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    spec: OptimizerSpec | None = optimizer
+    if spec is None and is_lightning_module(module):
+        spec = optimizers_from_lightning_module(module)
+    instances = [o for o in (spec if isinstance(spec, (list, tuple)) else [spec]) if isinstance(o, Optimizer)]
+    chosen = _choose_mode(mode, module, on_meta, target, state_copies(instances), available_memory)
+    estimated = chosen == "estimated"
+
+    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats}
+    rng_devices = (
+        [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
+    )
+    with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=rng_devices))
+        # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
+        rates: DeviceRates | None = measure_device_rates(target, _floating_dtype(module)) if estimated else None
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        info["copy_bytes_per_second"] = measure_copy_bandwidth(target, min(max(param_bytes, 4 << 20), 64 << 20))
+        if estimated:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+            work = stack.enter_context(fake_replica(module, target, fake_mode))
+            with fake_mode:
+                batch = tree_map(
+                    lambda t: fake_mode.from_tensor(t).to(target) if isinstance(t, Tensor) else t, example_batch
+                )
+            stack.enter_context(fake_mode)
+        else:
+            work = stack.enter_context(measured_replica(module, target))
+            batch = tree_map(lambda t: t.to(target) if isinstance(t, Tensor) else t, example_batch)
+        runner = StepRunner(work, batch, loss_fn=loss_fn, step_context=step_context, name=name, step=step)
+        stack.enter_context(runner.quiet_logging())
+        if estimated:
+            stack.enter_context(runner.quiet_metrics())
+        optimizers = rebuild_optimizers(spec, param_names, work, name)
+        session = _Session(work, runner, optimizers, target, estimated)
+        try:
+            record = session.traced_step()
+        except ProfilingError:
+            raise
+        except Exception as error:
+            if not estimated:
+                raise
+            raise ProfilingError(
+                f"{name} cannot be estimated on fake tensors ({type(error).__name__}: {error}); its step depends on "
+                "tensor values. Profile it in measured mode, on a smaller configuration if it does not fit"
+            ) from error
+        if rates is not None:
+            timing = _estimated_timing(session, record, rates, info)
+        else:
+            timing = _measured_timing(session, record, repeats, info)
+        modules = _module_profiles(work, record, session, timing.modules)
+        _, tied = account_parameters(work)
+        info["optimizer_state"] = session.state.source if optimizers else "none"
+        info["forward_order"] = record.forward_order
+        if record.unsized_tensors:
+            # Fake tensors cannot know the size of a value-dependent result (boolean masking, nonzero).
+            info["value_dependent_sizes"] = record.unsized_tensors
+            warnings.warn(
+                f"{name}: {record.unsized_tensors} saved tensors or FLOP counts have value-dependent sizes that "
+                "estimated mode counts as 0; its activation bytes and times are lower bounds",
+                stacklevel=2,
+            )
+        extra_activation = record.outside.activation_bytes
+
+    trainable_with_grad = sum(session.grad_bytes.values())
+    factor = session.state.total_tensor_bytes / trainable_with_grad if trainable_with_grad else 0.0
+    benchmark_start = time.perf_counter()
+    fits = _collectives(collectives, group, param_bytes, collective_time_budget)
+    info["collectives_seconds"] = time.perf_counter() - benchmark_start
+    world_size = next(iter(fits.values())).world_size if fits else 1
+    device_name = str(target) + (f" ({torch.cuda.get_device_name(target)})" if target.type == "cuda" else "")
+    result = ModelProfile(
+        modules=modules,
+        collectives=fits,
+        world_size=world_size,
+        device=device_name,
+        mode=chosen,
+        optimizer="+".join(type(o).__name__ for o in optimizers),
+        optim_state_factor=factor,
+        tied=tied,
+        batch={**describe_batch(example_batch), "source": batch_source},
+        step_overhead_seconds=timing.overhead,
+        extra_activation_bytes=extra_activation,
+        info=info,
+        optimizer_step_seconds=timing.optimizer,
+    )
+    result.profiling_seconds = time.perf_counter() - start
+    return _from_rank_zero(result, group)
+
+
+def _from_rank_zero(result: ModelProfile, group: Any) -> ModelProfile:
+    if not (dist.is_available() and dist.is_initialized()):
+        return result
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return result
+    box: list[Any] = [result.to_dict()]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return ModelProfile.from_dict(box[0], source="rank 0")

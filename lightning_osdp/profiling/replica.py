@@ -1,0 +1,139 @@
+"""The copy of the model that profiling runs, so that the user's model leaves profiling as it came in.
+
+[Note: why a copy]
+A profiled step runs the user's ``training_step`` several times and steps the optimizer: on the model itself that
+would move its parameters and buffers (BatchNorm statistics), leave gradients behind and repeat the step's Python
+side effects (lists appended, metrics updated). So profiling runs a ``copy.deepcopy`` of the model. The trainer (and
+Fabric) it references are shared, not copied: ``self.trainer`` keeps working in the copy's ``training_step``.
+
+Measured mode copies the parameters (memory: one more copy of the model). Estimated mode never materialises
+them: the copy's parameters and buffers are created on the meta device and then replaced by fake tensors of the
+target device (``FakeTensorMode``), tied parameters staying tied.
+
+A model ``deepcopy`` cannot copy (a module caching a non-leaf tensor, say) is profiled in place instead, with a
+warning: parameters, buffers and gradients are saved first and restored afterwards (so memory is the same), but
+Python side effects of the step are not undone.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["fake_replica", "measured_replica", "swap_tensors"]
+
+
+_SHARED = ("_trainer", "_fabric")
+
+
+def _shared_referents(module: nn.Module) -> dict[int, Any]:
+    # deepcopy memo entries: objects the copy references as they are.
+    return {id(obj): obj for obj in (vars(module).get(attr) for attr in _SHARED) if obj is not None}
+
+
+def _copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    replica = copy.deepcopy(module, memo)
+    # LightningModule.__getstate__ drops the trainer (a pickled module must not drag it along): put it back.
+    for attr in _SHARED:
+        if attr in vars(module):
+            vars(replica)[attr] = vars(module)[attr]
+    return replica
+
+
+def swap_tensors(module: nn.Module, make: Callable[[Tensor], Tensor]) -> dict[tuple[int, str, str], Tensor]:
+    """Replace every parameter and buffer of ``module`` by ``make(tensor)`` (one replacement per shared tensor).
+
+    Parameters stay ``nn.Parameter`` with their ``requires_grad``. Returns the originals, keyed for
+    :func:`restore_tensors`.
+    """
+    made: dict[int, Tensor] = {}
+    originals: dict[tuple[int, str, str], Tensor] = {}
+    for mod in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            slots = getattr(mod, kind)
+            for key, t in list(slots.items()):
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    new = make(t)
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if kind == "_parameters" else new
+                originals[(id(mod), kind, key)] = t
+                slots[key] = made[id(t)]
+    return originals
+
+
+def restore_tensors(module: nn.Module, originals: dict[tuple[int, str, str], Tensor]) -> None:
+    """Undo :func:`swap_tensors`."""
+    for mod in module.modules():
+        for kind in ("_parameters", "_buffers"):
+            slots = getattr(mod, kind)
+            for key in list(slots):
+                if (id(mod), kind, key) in originals:
+                    slots[key] = originals[(id(mod), kind, key)]
+
+
+def _warn_in_place(module: nn.Module, error: Exception) -> None:
+    warnings.warn(
+        f"profiling {type(module).__name__} in place: it cannot be deep-copied ({type(error).__name__}: {error}). "
+        "Parameters, buffers and gradients are restored afterwards; other side effects of training_step are not.",
+        stacklevel=4,
+    )
+
+
+@contextmanager
+def measured_replica(module: nn.Module, device: torch.device | None) -> Iterator[nn.Module]:
+    """A real copy of ``module`` on ``device`` (see [Note: why a copy])."""
+    try:
+        replica = _copy(module, _shared_referents(module))
+    except Exception as error:
+        _warn_in_place(module, error)
+        replica = None
+    if replica is not None:
+        if device is not None:
+            replica.to(device)
+        yield replica
+        return
+    saved = swap_tensors(module, lambda t: t.detach().clone())
+    grads = {id(p): p.grad for p in module.parameters()}
+    for p in module.parameters():
+        p.grad = None
+    try:
+        yield module
+    finally:
+        restore_tensors(module, saved)
+        for p in module.parameters():
+            p.grad = grads.get(id(p))
+
+
+@contextmanager
+def fake_replica(module: nn.Module, device: torch.device, fake_mode: Any) -> Iterator[nn.Module]:
+    """A copy of ``module`` whose parameters and buffers are fake tensors on ``device`` (no memory)."""
+    memo = _shared_referents(module)
+    for t in [*module.parameters(), *module.buffers()]:
+        # Placeholders so that deepcopy copies no data; `swap_tensors` replaces them below.
+        placeholder = torch.empty_like(t, device="meta")
+        memo[id(t)] = (
+            nn.Parameter(placeholder, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else placeholder
+        )
+    try:
+        replica: nn.Module | None = _copy(module, memo)
+    except Exception as error:
+        _warn_in_place(module, error)
+        replica = None
+    target = replica if replica is not None else module
+    with fake_mode:
+        saved = swap_tensors(target, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
+    grads = {id(p): p.grad for p in module.parameters()} if replica is None else {}
+    try:
+        yield target
+    finally:
+        if replica is None:
+            restore_tensors(module, saved)
+            for p in module.parameters():
+                p.grad = grads.get(id(p))

@@ -1,0 +1,186 @@
+"""One training step of the user's model, as profiling runs it: forward to a scalar loss, nothing else.
+
+A LightningModule runs its own ``training_step(batch, 0)``; the loss is its return value (a tensor, or the
+``"loss"`` entry of a dict). A plain ``nn.Module``, or a LightningModule given its ``example_input_array``
+(``step="forward"``), runs ``forward`` on the batch, unpacked as Lightning unpacks ``example_input_array`` (a tuple
+or list positionally, a dict by keyword, anything else as the one argument), and the loss is
+``loss_fn(output, batch)`` when one is given, else the sum of the output's floating-point tensors.
+
+[Note: logging while profiling]
+``LightningModule.log`` is replaced by a no-op on the module being profiled: with a trainer attached and no loop
+running, Lightning raises ("the loop's result collection is not registered"), and ``sync_dist=True`` would issue a
+collective on one rank's schedule. The time a real step spends logging is therefore not in the profile.
+
+[Note: metrics on fake tensors]
+In estimated mode the step runs on fake tensors, where code that branches on tensor values cannot run, and
+torchmetrics' argument validation does (``MulticlassAccuracy`` checks the number of distinct labels). So
+:meth:`StepRunner.quiet_metrics` makes every torchmetrics ``Metric`` in the model return a zero scalar and update
+nothing: metrics hold no parameters, gradients or saved activations, and their time is small next to a model
+too large to measure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_osdp.profiling.errors import ProfilingError
+
+__all__ = ["StepRunner", "describe_batch", "is_lightning_module"]
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+def is_lightning_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a LightningModule (checked without importing Lightning for plain models)."""
+    return any(cls.__name__ == "LightningModule" and "lightning" in cls.__module__ for cls in type(module).__mro__)
+
+
+def describe_batch(batch: Any) -> dict[str, Any]:
+    """Shapes, dtypes, devices and total storage bytes of the tensors in ``batch`` (any nesting)."""
+    tensors = [t for t in tree_leaves(batch) if isinstance(t, Tensor)]
+    storages: dict[int, int] = {}
+    for t in tensors:
+        try:
+            storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            storages[id(t)] = t.numel() * t.element_size()
+    return {
+        "tensors": [
+            {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "device": str(t.device)}
+            for t in tensors
+        ],
+        "bytes": sum(storages.values()),
+    }
+
+
+def _shapes(batch: Any) -> str:
+    tensors = describe_batch(batch)["tensors"]
+    if not tensors:
+        return f"a {type(batch).__name__} without tensors"
+    return ", ".join(f"{t['dtype']}{t['shape']}" for t in tensors)
+
+
+class StepRunner:
+    """Runs the forward part of one training step of ``module`` on ``batch`` and returns the scalar loss.
+
+    Args:
+        module: the model profiled (a LightningModule or a plain ``nn.Module``).
+        batch: the example batch, already on the module's device.
+        loss_fn: for a plain module, ``loss_fn(output, batch) -> scalar``; ignored for a LightningModule.
+        step_context: a factory of the context the forward runs in (Lightning's precision plugin
+            ``forward_context`` under ``bf16-mixed``, say).
+        name: the class name used in error messages (the user's class, not a copy's).
+        step: ``"training_step"``, ``"forward"``, or ``"auto"`` (``training_step`` for a LightningModule).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        batch: Any,
+        *,
+        loss_fn: LossFn | None = None,
+        step_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        name: str | None = None,
+        step: str = "auto",
+    ) -> None:
+        if step not in ("auto", "training_step", "forward"):
+            raise ValueError(f"step must be 'auto', 'training_step' or 'forward', not {step!r}")
+        self.module = module
+        self.batch = batch
+        self.loss_fn = loss_fn
+        self.step_context = step_context or nullcontext
+        self.name = name or type(module).__name__
+        self.lightning = is_lightning_module(module)
+        if step == "training_step" and not self.lightning:
+            raise ProfilingError(f"{self.name} is not a LightningModule: it has no training_step to profile")
+        self.training_step = self.lightning and step != "forward"
+
+    @contextmanager
+    def quiet_logging(self) -> Iterator[None]:
+        """Make ``self.log``/``self.log_dict`` no-ops on the module (see [Note: logging while profiling])."""
+        if not self.lightning:
+            yield
+            return
+        patched = [attr for attr in ("log", "log_dict") if attr not in vars(self.module)]
+        for attr in patched:
+            setattr(self.module, attr, _no_op)
+        try:
+            yield
+        finally:
+            for attr in patched:
+                vars(self.module).pop(attr, None)
+
+    @contextmanager
+    def quiet_metrics(self) -> Iterator[None]:
+        """Make torchmetrics ``Metric`` submodules inert (see [Note: metrics on fake tensors])."""
+        patched = [
+            mod
+            for mod in self.module.modules()
+            if any(cls.__name__ == "Metric" and cls.__module__.startswith("torchmetrics") for cls in type(mod).__mro__)
+        ]
+        for mod in patched:
+            for attr in ("forward", "update"):
+                setattr(mod, attr, _zero)
+        try:
+            yield
+        finally:
+            for mod in patched:
+                for attr in ("forward", "update"):
+                    vars(mod).pop(attr, None)
+
+    def forward_loss(self) -> Tensor:
+        """The step's loss; any exception from the user's code becomes a :class:`ProfilingError`."""
+        try:
+            with self.step_context():
+                loss = self._loss()
+        except ProfilingError:
+            raise
+        except Exception as error:
+            where = "training_step" if self.training_step else "forward"
+            raise ProfilingError(
+                f"the example batch does not run through {self.name}.{where}: {type(error).__name__}: {error} "
+                f"(batch: {_shapes(self.batch)})"
+            ) from error
+        return loss
+
+    def _loss(self) -> Tensor:
+        if self.training_step:
+            output = self.module.training_step(self.batch, 0)  # type: ignore[operator]
+            if isinstance(output, Mapping):
+                output = output.get("loss")
+            if not isinstance(output, Tensor):
+                raise ProfilingError(
+                    f"{self.name}.training_step returned {type(output).__name__}, not a loss tensor (or a dict "
+                    f"with 'loss'): profiling needs a step that trains (batch: {_shapes(self.batch)})"
+                )
+            return output if output.ndim == 0 else output.sum()
+        batch = self.batch
+        if isinstance(batch, Mapping):
+            output = self.module(**batch)
+        elif isinstance(batch, (tuple, list)):
+            output = self.module(*batch)
+        else:
+            output = self.module(batch)
+        if self.loss_fn is not None:
+            return self.loss_fn(output, batch)
+        floats = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.is_floating_point()]
+        if not floats:
+            raise ProfilingError(
+                f"{self.name}.forward returned no floating-point tensor to derive a loss from; pass loss_fn "
+                f"(batch: {_shapes(self.batch)})"
+            )
+        return torch.stack([t.float().sum() for t in floats]).sum()
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _zero(*args: Any, **kwargs: Any) -> Tensor:
+    return torch.zeros(())

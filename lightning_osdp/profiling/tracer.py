@@ -1,0 +1,388 @@
+"""Attributing one training step to the modules that ran it: time, FLOPs, operators and saved activations.
+
+[Note: what belongs to a module]
+*Forward*: everything run while the module is the innermost module whose ``forward`` is executing (a module
+stack kept by forward pre/post hooks). A module's own forward time is its inclusive time less its children's
+inclusive times, less the time spent in the children's profiling hooks (measured in the hooks themselves), so
+hooks cost the parent nothing. Calls add up: a module run twice in a step counts both calls.
+
+*Backward*: each autograd node belongs to the module whose forward created it. Ownership is found without
+touching the graph's structure: a module's forward post-hook walks back from its outputs' ``grad_fn`` through
+``next_functions`` and claims every node not yet claimed (its children, having returned first, claimed theirs);
+its pre-hook claims the unclaimed nodes behind its inputs for the enclosing module (or for no module), so work
+done before a module runs is never charged to it; after the step's forward the loss claims what is left (the
+loss computation: no module). Each node gets a pre-hook and a hook (``Node.register_prehook`` /
+``register_hook``); the time between them is the node's, and a module's backward time is the sum over its nodes.
+Hook bodies fall outside those intervals. Unlike full backward hooks on modules, nothing is inserted into the
+graph, so in-place operations on module outputs (``ReLU(inplace=True)``) keep working, and a module whose inputs
+need no gradient (an embedding of integer ids) is still timed. The ``AccumulateGrad`` node of a parameter used
+by several modules belongs to the first one.
+
+*Activations*: tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``) during the
+forward, charged to the innermost running module, counted by storage (a storage saved twice, or by two modules,
+counts once, at the first saver; a view saved keeps its whole storage alive, so the whole storage counts).
+Parameters, buffers and the batch are not activations: their storages are excluded.
+
+*Operators* (only when asked: the tracing costs Python time per operator): each ATen operator is seen by a
+``TorchDispatchMode``; its FLOPs come from ``torch.utils.flop_counter``'s formulas (``FlopCounterMode``'s registry,
+so the counts are the ones ``FlopCounterMode`` reports), and an operator without a FLOP formula is tallied as
+memory-bound by the bytes of its tensor arguments and results (views move nothing; gathers read only what they
+return). The estimated mode turns these tallies into times.
+
+On CUDA the clock synchronises the device before reading the time, so each interval holds its own kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["ModuleRecord", "ModuleTracer", "OpTally", "StepRecord", "storage_keys"]
+
+aten = torch.ops.aten
+
+# Queries of metadata: no work, not operators a step pays for (FlopCounterMode skips the same).
+_METADATA = {
+    aten.sym_is_contiguous.default,
+    aten.is_contiguous.default,
+    aten.is_contiguous.memory_format,
+    aten.is_strides_like_format.default,
+    aten.is_non_overlapping_and_dense.default,
+    aten.size.default,
+    aten.sym_size.default,
+    aten.stride.default,
+    aten.sym_stride.default,
+    aten.storage_offset.default,
+    aten.sym_storage_offset.default,
+    aten.numel.default,
+    aten.sym_numel.default,
+    aten.dim.default,
+    torch.ops.prim.layout.default,
+    torch.ops.prim.device.default,
+}
+# Operators that allocate without touching memory, or alias without being annotated as views.
+_NO_TRAFFIC = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten._unsafe_view, aten.lift_fresh}
+# Operators that read only the rows they return from a (possibly huge) table.
+_GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index}
+
+
+def _static(value: Any) -> int | None:
+    """``int(value)``, or ``None`` for a size that depends on tensor values (an unbacked symbol of fake tensors:
+    the output of ``nonzero`` or of boolean masking), which no shape propagation can know."""
+    try:
+        return int(value)
+    except Exception:
+        return None
+
+
+def _nbytes(t: Tensor) -> int:
+    return _static(t.numel() * t.element_size()) or 0
+
+
+def storage_keys(tensors: Iterable[Any]) -> set[int]:
+    """Identities of the storages behind ``tensors`` (non-tensors are skipped)."""
+    keys = set()
+    for t in tensors:
+        if isinstance(t, Tensor):
+            with suppress(RuntimeError, NotImplementedError):
+                keys.add(int(t.untyped_storage()._cdata))
+    return keys
+
+
+@dataclass
+class OpTally:
+    """Operators run in one region of a step: compute-bound ones by FLOPs, memory-bound ones by bytes moved."""
+
+    matmul_ops: int = 0
+    matmul_flops: int = 0
+    memory_ops: int = 0
+    memory_bytes: int = 0
+
+    def __iadd__(self, other: OpTally) -> OpTally:
+        self.matmul_ops += other.matmul_ops
+        self.matmul_flops += other.matmul_flops
+        self.memory_ops += other.memory_ops
+        self.memory_bytes += other.memory_bytes
+        return self
+
+
+@dataclass
+class ModuleRecord:
+    """One module's own share of one step (see [Note: what belongs to a module])."""
+
+    calls: int = 0
+    fwd_seconds: float = 0.0
+    bwd_seconds: float = 0.0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    activation_bytes: int = 0
+    output_bytes: int = 0
+    fwd_ops: OpTally = field(default_factory=OpTally)
+    bwd_ops: OpTally = field(default_factory=OpTally)
+
+
+@dataclass
+class StepRecord:
+    """A traced step: per module, outside any module (loss, framework), and in the optimizer step."""
+
+    modules: dict[str, ModuleRecord]
+    outside: ModuleRecord = field(default_factory=ModuleRecord)
+    optimizer_ops: OpTally = field(default_factory=OpTally)
+    forward_order: list[str] = field(default_factory=list)  # modules in the order their forward first ran
+    unsized_tensors: int = 0  # saved tensors and FLOP counts whose size depends on values (counted as 0)
+
+    def of(self, owner: str | None) -> ModuleRecord:
+        return self.outside if owner is None else self.modules[owner]
+
+
+@dataclass
+class _Frame:
+    name: str
+    start: float
+    hook: float
+    inner: float = 0.0
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self, tracer: ModuleTracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+        self.registry = FlopCounterMode(display=False).flop_registry
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            return func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet not in self.registry:
+            # As FlopCounterMode: a composite operator may decompose into ones that have FLOP formulas.
+            with self:
+                result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        out = func(*args, **kwargs)
+        if packet in self.registry:
+            flops = _static(self.registry[packet](*args, **kwargs, out_val=out))
+            if flops is None:
+                self.tracer._unsized += 1
+            self.tracer._record_op(flops or 0, 0)
+        else:
+            self.tracer._record_op(0, _traffic(func, packet, args, kwargs, out))
+        return out
+
+
+def _traffic(func: Any, packet: Any, args: Any, kwargs: Any, out: Any) -> int:
+    if packet in _NO_TRAFFIC or getattr(func, "is_view", False):
+        return 0
+    outs = sum(_nbytes(t) for t in tree_leaves(out) if isinstance(t, Tensor))
+    if packet in _GATHERS:
+        return 2 * outs
+    ins = sum(_nbytes(t) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+    return ins + outs
+
+
+class ModuleTracer:
+    """Hooks on every module of ``module`` that attribute one step at a time (see [Note: what belongs to a module]).
+
+    Args:
+        module: the model; every module in ``named_modules()`` gets a record.
+        clock: seconds now (synchronising the device first on CUDA).
+    """
+
+    def __init__(self, module: nn.Module, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.module = module
+        self.clock = clock
+        self.names = {id(mod): name for name, mod in module.named_modules()}
+        self._record: StepRecord | None = None
+        self._phase: str | None = None
+        self._stack: list[_Frame] = []
+        self._started: set[str] = set()
+        self._owner: dict[Any, str | None] = {}
+        self._handles: list[Any] = []
+        self._node_handles: list[Any] = []
+        self._memory = False
+        self._excluded: set[int] = set()
+        self._saved: dict[int, Any] = {}
+        self._bwd_owner: str | None = None
+        self._bwd_start = 0.0
+        self._unsized = 0
+
+    # ---------------------------------------------------------------- one step
+    @contextmanager
+    def iteration(
+        self, *, memory: bool = False, ops: bool = False, excluded: Iterable[Any] = ()
+    ) -> Iterator[StepRecord]:
+        """Trace one step run inside the block with :meth:`forward`, :meth:`backward` and :meth:`optimizer`.
+
+        ``memory`` records activations and outputs (``excluded``: tensors whose storages are not activations);
+        ``ops`` records operators (FLOPs and tallies). Times are always recorded; they are only meaningful
+        without ``ops``, whose dispatch mode costs time per operator.
+        """
+        record = StepRecord({name: ModuleRecord() for name in self.names.values()})
+        self._record, self._memory = record, memory
+        self._excluded = storage_keys(excluded) if memory else set()
+        self._stack.clear()
+        self._started.clear()
+        self._unsized = 0
+        for mod in self.module.modules():
+            self._handles.append(mod.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._post_forward, with_kwargs=True))
+        recorder = _OpRecorder(self) if ops else None
+        try:
+            if recorder is not None:
+                with recorder:
+                    yield record
+            else:
+                yield record
+        finally:
+            record.unsized_tensors = self._unsized
+            for handle in self._handles + self._node_handles:
+                handle.remove()
+            self._handles.clear()
+            self._node_handles.clear()
+            self._owner.clear()
+            self._saved.clear()
+            self._stack.clear()
+            self._record, self._phase = None, None
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """The forward part of the step (the user's ``training_step``: forward and loss)."""
+        self._phase = "forward"
+        try:
+            if self._memory:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                    yield
+            else:
+                yield
+        finally:
+            self._phase = None
+
+    def backward(self, loss: Tensor) -> None:
+        """Run ``loss.backward()`` with every node of the step's graph timed for its module."""
+        self._claim([loss], None)
+        for node, owner in self._owner.items():
+            self._node_handles.append(node.register_prehook(self._node_pre(owner)))
+            self._node_handles.append(node.register_hook(self._node_post(owner)))
+        self._phase = "backward"
+        try:
+            loss.backward()
+        finally:
+            self._phase = None
+
+    @contextmanager
+    def optimizer(self) -> Iterator[None]:
+        """The optimizer step (its operators are tallied apart from any module's)."""
+        self._phase = "optimizer"
+        try:
+            yield
+        finally:
+            self._phase = None
+
+    # ---------------------------------------------------------------- module hooks
+    def _pre_forward(self, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._phase != "forward":
+            return  # a recomputation inside backward (activation checkpointing) runs within a node's interval
+        enter = self.clock()
+        self._claim(tree_leaves((args, kwargs)), self._stack[-1].name if self._stack else None)
+        name = self.names[id(mod)]
+        assert self._record is not None
+        if name not in self._started:  # first call this step
+            self._started.add(name)
+            self._record.forward_order.append(name)
+        start = self.clock()
+        self._stack.append(_Frame(name, start, start - enter))
+
+    def _post_forward(self, mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._phase != "forward" or not self._stack:
+            return
+        end = self.clock()
+        frame = self._stack.pop()
+        assert self._record is not None
+        record = self._record.modules[frame.name]
+        inclusive = end - frame.start
+        record.fwd_seconds += inclusive - frame.inner
+        record.calls += 1
+        leaves = tree_leaves(output)
+        if self._memory:
+            record.output_bytes += sum(_nbytes(t) for t in leaves if isinstance(t, Tensor))
+        self._claim(leaves, frame.name)
+        if self._stack:
+            self._stack[-1].inner += inclusive + frame.hook + (self.clock() - end)
+
+    def _claim(self, leaves: Iterable[Any], owner: str | None) -> None:
+        pending = [t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None]
+        while pending:
+            node = pending.pop()
+            if node in self._owner:
+                continue
+            self._owner[node] = owner
+            pending.extend(nxt for nxt, _ in node.next_functions if nxt is not None and nxt not in self._owner)
+
+    # ---------------------------------------------------------------- autograd hooks
+    def _node_pre(self, owner: str | None) -> Callable[[Any], None]:
+        def hook(grad_outputs: Any) -> None:
+            self._bwd_owner = owner
+            self._bwd_start = self.clock()
+
+        return hook
+
+    def _node_post(self, owner: str | None) -> Callable[[Any, Any], None]:
+        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+            end = self.clock()
+            assert self._record is not None
+            self._record.of(owner).bwd_seconds += end - self._bwd_start
+            self._bwd_owner = None
+
+        return hook
+
+    def _pack(self, t: Tensor) -> Tensor:
+        if self._phase == "forward" and self._record is not None:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return t
+            key = int(storage._cdata)
+            if key not in self._excluded and key not in self._saved:
+                self._saved[key] = storage  # held, so that the key is not reused by a new storage this step
+                owner = self._stack[-1].name if self._stack else None
+                nbytes = _static(storage.nbytes())
+                if nbytes is None:
+                    self._unsized += 1
+                self._record.of(owner).activation_bytes += nbytes or 0
+        return t
+
+    # ---------------------------------------------------------------- operators
+    def _record_op(self, flops: int, traffic: int) -> None:
+        record = self._record
+        if record is None:
+            return
+        if self._phase == "optimizer":
+            tally = record.optimizer_ops
+        elif self._phase == "backward":
+            owner_record = record.of(self._bwd_owner)
+            owner_record.bwd_flops += flops
+            tally = owner_record.bwd_ops
+        else:
+            owner_record = record.of(self._stack[-1].name if self._stack else None)
+            owner_record.fwd_flops += flops
+            tally = owner_record.fwd_ops
+        if flops:
+            tally.matmul_ops += 1
+            tally.matmul_flops += flops
+        else:
+            tally.memory_ops += 1
+            tally.memory_bytes += traffic
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t

@@ -1,0 +1,49 @@
+"""Profiles on a real gloo process group: the collective benchmark and a whole ``profile()``, rank by rank.
+
+Started by the tests with ``torchrun --nproc-per-node 2``. Usage: ``profile_runner.py OUT_DIR``; each rank writes
+``OUT_DIR/collectives.rank{R}.json`` (the fits ``benchmark_collectives`` returned on that rank) and
+``OUT_DIR/profile.rank{R}.json`` (the profile of ``TinyGPT`` that ``profile`` returned on that rank).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import TinyGPT, loaders
+
+from lightning_osdp.profiling import benchmark_collectives, profile
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    fits = benchmark_collectives(time_budget_seconds=1.5)
+    seconds = time.perf_counter() - start
+    document = {"seconds": seconds, "fits": {op: asdict(fit) for op, fit in fits.items()}}
+    (out / f"collectives.rank{rank}.json").write_text(json.dumps(document))
+    torch.manual_seed(0)
+    batch = next(iter(loaders(batch_size=4)[0]))
+    # Each rank's own batch, as under a distributed sampler: the profile must still be rank 0's everywhere.
+    batch = (batch[0], batch[1].roll(rank, dims=0))
+    result = profile(TinyGPT(), batch, collectives=fits)
+    result.save(out / f"profile.rank{rank}.json")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

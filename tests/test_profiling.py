@@ -1,0 +1,455 @@
+"""The profiler, specified by what it must count: exact bytes, attributed activations, FLOPs and sane times."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from models import TinyGPT, loaders
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_osdp.memory import LiveStorageTracker
+from lightning_osdp.profiling import (
+    CollectiveFit,
+    ModelProfile,
+    ProfilingError,
+    format_profile,
+    profile,
+)
+
+BYTE_FIELDS = (
+    "param_count",
+    "param_bytes",
+    "param_shapes",
+    "trainable_param_bytes",
+    "grad_bytes",
+    "optim_state_bytes",
+    "optim_scalar_bytes",
+    "buffer_bytes",
+    "activation_bytes",
+    "output_bytes",
+    "fwd_flops",
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as each rank runs under torchrun: timings on a shared 2-core machine stay stable."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch.set_num_threads(threads)
+
+
+def tiny_gpt_batch() -> tuple[Tensor, Tensor]:
+    train, _ = loaders(batch_size=4)
+    return next(iter(train))
+
+
+class HandCounted(nn.Module):
+    """Bytes computed by hand: an embedding tied to a head, a trainable and a frozen Linear, a buffer.
+
+    emb 10x4 (the head's weight too), lin 4->3 with bias, frozen 3->3 with bias, buffer `scale` of 3 floats.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.lin = nn.Linear(4, 3)
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.emb(idx)
+        return self.head(x).sum(-1, keepdim=True) + self.frozen(self.lin(x)) * self.scale
+
+
+def test_bytes_of_parameters_gradients_and_adam_state_are_exact() -> None:
+    model = HandCounted()
+    result = profile(model, torch.tensor([[1, 2, 3]]), optimizer=torch.optim.AdamW(model.parameters()))
+    emb, lin, frozen, head, root = (result.modules[n] for n in ("emb", "lin", "frozen", "head", ""))
+    assert (emb.param_count, emb.param_bytes, emb.trainable_param_bytes, emb.grad_bytes) == (40, 160, 160, 160)
+    assert emb.param_shapes == [[10, 4]]
+    # The tied weight counts once, at its first holder; the head owns nothing.
+    assert (head.param_count, head.param_bytes, head.grad_bytes, head.optim_state_bytes) == (0, 0, 0, 0)
+    assert result.tied == [["emb", "head"]]
+    assert (lin.param_count, lin.param_bytes, lin.grad_bytes) == (15, 60, 60)
+    # Adam: exp_avg and exp_avg_sq, 2x the trainable bytes; a 4-byte `step` per parameter tensor apart.
+    assert (emb.optim_state_bytes, emb.optim_scalar_bytes) == (320, 4)
+    assert (lin.optim_state_bytes, lin.optim_scalar_bytes) == (120, 8)
+    # Frozen parameters: no gradient, no state.
+    assert (frozen.param_bytes, frozen.trainable_param_bytes, frozen.grad_bytes, frozen.optim_state_bytes) == (
+        48,
+        0,
+        0,
+        0,
+    )
+    assert root.buffer_bytes == 12 and root.param_bytes == 0
+    assert result.total_param_bytes == 160 + 60 + 48
+    assert result.optimizer == "AdamW" and result.optim_state_factor == 2.0
+
+
+@pytest.mark.parametrize(("momentum", "copies"), [(0.9, 1), (0.0, 0)])
+def test_sgd_keeps_one_momentum_buffer_or_nothing(momentum: float, copies: int) -> None:
+    model = HandCounted()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    result = profile(model, torch.tensor([[1, 2, 3]]), optimizer=sgd)
+    assert result.modules["emb"].optim_state_bytes == copies * 160
+    assert result.modules["lin"].optim_state_bytes == copies * 60
+    assert result.modules["frozen"].optim_state_bytes == 0
+    assert all(m.optim_scalar_bytes == 0 for m in result.modules.values())
+    assert result.optim_state_factor == copies
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.Adam(ps, amsgrad=True),
+        lambda ps: torch.optim.AdamW(ps),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    ],
+    ids=["adam-amsgrad", "adamw", "sgd-momentum"],
+)
+def test_state_computed_from_the_type_equals_a_real_instance_after_a_step(make: Any) -> None:
+    model = TinyGPT()
+    result = profile(model, tiny_gpt_batch(), optimizer=make(model.parameters()))
+    assert result.info["optimizer_state"] == "rule"
+    replica = copy.deepcopy(model)
+    optimizer = make(replica.parameters())
+    replica.log = lambda *a, **k: None  # type: ignore[method-assign]
+    replica.training_step(tiny_gpt_batch(), 0).backward()
+    optimizer.step()
+    tensors = sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values() if v.dim())
+    scalars = sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values() if not v.dim())
+    assert sum(m.optim_state_bytes for m in result.modules.values()) == tensors
+    assert sum(m.optim_scalar_bytes for m in result.modules.values()) == scalars
+
+
+class ThreeBuffers(torch.optim.Optimizer):
+    """An optimizer profiling does not know: three parameter-sized buffers and a 0-dim counter per parameter."""
+
+    def __init__(self, params: Any, lr: float = 0.01, branch_on_values: bool = False) -> None:
+        super().__init__(params, {"lr": lr, "branch_on_values": branch_on_values})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["branch_on_values"] and bool(p.grad.abs().max() > 1e9):
+                    continue  # control flow on values: cannot run on fake tensors
+                state = self.state[p]
+                if not state:
+                    state["count"] = torch.zeros(())
+                    state["a"], state["b"], state["c"] = (torch.zeros_like(p) for _ in range(3))
+                state["count"] += 1
+                state["a"].add_(p.grad)
+                p.add_(state["a"], alpha=-group["lr"])
+
+
+@pytest.mark.parametrize(
+    ("mode", "branch", "source"),
+    [("measured", False, "instance"), ("estimated", False, "instance"), ("estimated", True, "proxy")],
+)
+def test_unknown_optimizer_state_is_counted_from_a_real_instance(mode: str, branch: bool, source: str) -> None:
+    model = HandCounted()
+    optimizer = ThreeBuffers(model.parameters(), branch_on_values=branch)
+    result = profile(model, torch.tensor([[1, 2, 3]]), optimizer=optimizer, mode=mode)
+    assert result.info["optimizer_state"] == source
+    assert result.optimizer == "ThreeBuffers"
+    assert result.modules["emb"].optim_state_bytes == 3 * 160
+    assert result.modules["lin"].optim_state_bytes == 3 * 60
+    assert result.modules["lin"].optim_scalar_bytes == 2 * 4
+    assert result.modules["frozen"].optim_state_bytes == 0
+    assert result.optim_state_factor == 3.0
+    assert not optimizer.state  # the user's instance never stepped
+
+
+class SavesKnownTensors(nn.Module):
+    """What autograd saves is known: Linear saves its input (for the weight's gradient), ReLU its output.
+
+    ``lin0`` saves only the batch (not an activation); ``lin1`` saves ``h + 1`` (5x8 floats); ``relu`` its output
+    (5x6); ``lin2`` saves the ReLU's output again (already counted); the root saves ``z`` once for ``z * z``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin0 = nn.Linear(4, 8)
+        self.lin1 = nn.Linear(8, 6)
+        self.relu = nn.ReLU()
+        self.lin2 = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.lin2(self.relu(self.lin1(self.lin0(x) + 1.0)))
+        return z * z
+
+
+def test_activations_are_attributed_to_the_innermost_module_and_counted_once() -> None:
+    result = profile(SavesKnownTensors(), torch.randn(5, 4), loss_fn=lambda out, batch: (out**2).sum())
+    own = {name: m.activation_bytes for name, m in result.modules.items()}
+    assert own == {"": 5 * 3 * 4, "lin0": 0, "lin1": 5 * 8 * 4, "relu": 5 * 6 * 4, "lin2": 0}
+    assert result.extra_activation_bytes == 5 * 3 * 4  # `pow` in the loss saves the output
+    assert result.modules["lin1"].output_bytes == 5 * 6 * 4
+
+
+def test_activations_equal_the_memory_a_forward_leaves_alive() -> None:
+    """Ground truth: the live-storage tracker's growth over a forward is the saved tensors plus the loss."""
+    model = TinyGPT()
+    batch = tiny_gpt_batch()
+    result = profile(model, batch)
+    activations = sum(m.activation_bytes for m in result.modules.values()) + result.extra_activation_bytes
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]
+    tracker = LiveStorageTracker().start(model, *batch)
+    before = tracker.live
+    loss = model.training_step(batch, 0)
+    grown = tracker.live - before
+    tracker.stop()
+    assert activations > 0
+    assert grown == activations + loss.untyped_storage().nbytes()
+
+
+class SharedAndInPlace(nn.Module):
+    """One Linear applied twice, and an in-place ReLU on a module's output (full backward hooks would fail)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(6, 6)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.shared(self.act(self.shared(x)))
+
+
+def test_a_module_called_twice_counts_both_calls_and_in_place_outputs_work() -> None:
+    result = profile(SharedAndInPlace(), torch.randn(5, 6))
+    shared = result.modules["shared"]
+    assert shared.fwd_flops == 2 * (2 * 5 * 6 * 6)
+    # The second call saves its input, the ReLU's output (the ReLU saved it first); the first saves the batch.
+    assert (shared.activation_bytes, result.modules["act"].activation_bytes) == (0, 5 * 6 * 4)
+    assert shared.output_bytes == 2 * 5 * 6 * 4
+    assert shared.bwd_seconds > 0 and result.modules["act"].bwd_seconds > 0
+
+
+def test_forward_flops_of_a_linear_are_2_batch_in_out() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    result = profile(model, torch.randn(7, 16))
+    assert result.modules["0"].fwd_flops == 2 * 7 * 16 * 32
+    assert result.modules["2"].fwd_flops == 2 * 7 * 32 * 8
+    assert result.modules["1"].fwd_flops == 0
+
+
+def test_forward_flops_add_up_to_flop_counter_mode() -> None:
+    model = TinyGPT()
+    batch = tiny_gpt_batch()
+    result = profile(model, batch)
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]
+    with FlopCounterMode(display=False) as counter:
+        model.training_step(batch, 0)
+    assert sum(m.fwd_flops for m in result.modules.values()) == counter.get_total_flops()
+
+
+def test_estimated_mode_on_the_meta_device_counts_the_same_bytes_as_measured() -> None:
+    batch = tiny_gpt_batch()
+    torch.manual_seed(0)
+    measured = profile(TinyGPT(), batch)
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    estimated = profile(meta_model, batch)
+    assert (measured.mode, estimated.mode) == ("measured", "estimated")
+    for name, m in measured.modules.items():
+        e = estimated.modules[name]
+        assert {f: getattr(m, f) for f in BYTE_FIELDS} == {f: getattr(e, f) for f in BYTE_FIELDS}, name
+    assert estimated.extra_activation_bytes == measured.extra_activation_bytes
+    assert estimated.tied == measured.tied == [["wte", "lm_head"]]
+    assert estimated.optim_state_factor == measured.optim_state_factor == 2.0
+    # Times from FLOPs and bytes at measured rates: positive, and the matmul rate a CPU core can reach.
+    rates = estimated.info["rates"]
+    assert 1e9 < rates["matmul_flops_per_second"] < 1e13
+    assert 1e8 < rates["memory_bytes_per_second"] < 1e12
+    assert estimated.modules["h.0.fc"].fwd_seconds > 0 and estimated.modules["h.0.fc"].bwd_seconds > 0
+    assert estimated.optimizer_step_seconds > 0
+    # Facts the cost model reads from `info`: the order modules ran in, and the copy bandwidth of this device.
+    order = estimated.info["forward_order"]
+    assert order == measured.info["forward_order"]
+    assert order[:5] == ["", "wte", "frozen", "h.0", "h.0.ln_1"] and order[-2:] == ["ln_f", "lm_head"]
+    assert "h" not in order  # a ModuleList is never called
+    assert estimated.info["copy_bytes_per_second"] > 1e8
+    assert all(p.is_meta for p in meta_model.parameters())  # the user's model is still on meta
+
+
+class WithTrainingMetric(TinyGPT):
+    """Computes an accuracy in ``training_step``: torchmetrics validates its inputs by their values."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        _, tokens = batch
+        loss, logits = self._loss(tokens)
+        self.val_acc(logits.argmax(-1).flatten(), tokens[:, 1:].flatten())
+        return loss
+
+
+def test_estimated_mode_runs_a_step_that_updates_torchmetrics() -> None:
+    batch = tiny_gpt_batch()
+    measured = profile(WithTrainingMetric(), batch)
+    with torch.device("meta"):
+        meta_model = WithTrainingMetric()
+    estimated = profile(meta_model, batch)
+    for name, m in measured.modules.items():
+        assert m.activation_bytes == estimated.modules[name].activation_bytes, name
+    # Inert on fake tensors: one zero scalar, against a real update of the metric's state when measured.
+    assert estimated.modules["val_acc"].fwd_seconds < measured.modules["val_acc"].fwd_seconds
+
+
+def test_auto_mode_estimates_what_does_not_fit_and_measures_what_does() -> None:
+    model, batch = HandCounted(), torch.tensor([[1, 2, 3]])
+    assert profile(model, batch, available_memory=10**9).mode == "measured"
+    # 268 parameter bytes + 220 gradient bytes, no optimizer: 488 bytes needed, more than half of 800.
+    assert profile(model, batch, available_memory=800).mode == "estimated"
+    with torch.device("meta"):
+        meta_model = HandCounted()
+    assert profile(meta_model, batch).mode == "estimated"
+    with pytest.raises(ProfilingError, match="meta device"):
+        profile(meta_model, batch, mode="measured")
+
+
+class BigAndSmall(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(512, 512)
+        self.small = nn.Linear(512, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.small(torch.relu(self.big(x)))
+
+
+def test_times_are_exclusive_positive_and_add_up_to_the_measured_step() -> None:
+    result = profile(BigAndSmall(), torch.randn(256, 512), optimizer=torch.optim.SGD, repeats=5)
+    big, small, root = result.modules["big"], result.modules["small"], result.modules[""]
+    assert all(m.fwd_seconds >= 0 and m.bwd_seconds >= 0 for m in result.modules.values())
+    # 134 MFLOP against 1 MFLOP: the big Linear dominates both directions.
+    assert big.fwd_seconds > small.fwd_seconds and big.bwd_seconds > small.bwd_seconds
+    assert 1e9 < big.fwd_flops / big.fwd_seconds < 1e13
+    # The root's own time is only its ReLU, not its children's.
+    assert root.fwd_seconds < big.fwd_seconds
+    step = result.info["measured_step_seconds"]
+    total = sum(m.fwd_seconds + m.bwd_seconds for m in result.modules.values()) + result.step_overhead_seconds
+    assert total == pytest.approx(step, rel=0.05) or result.step_overhead_seconds == result.optimizer_step_seconds
+    assert 0 < result.optimizer_step_seconds <= result.step_overhead_seconds
+
+
+def test_the_users_model_rng_and_lightning_state_are_left_as_they_were() -> None:
+    model, batch = TinyGPT(), tiny_gpt_batch()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    result = profile(model, batch)
+    assert result.optimizer == "AdamW"  # from configure_optimizers()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert model.losses == [] and model.seen == []  # training_step ran on a copy
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class ReadsItsTrainer(TinyGPT):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.trainer_seen = self.trainer
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("mode", ["measured", "estimated"])
+def test_a_module_attached_to_a_trainer_keeps_its_trainer_and_does_not_log(mode: str) -> None:
+    """As in the strategy's setup: ``self.trainer`` works, and ``self.log`` (which would raise there) is a no-op."""
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    model = ReadsItsTrainer()
+    model.trainer = trainer
+    result = profile(model, tiny_gpt_batch(), mode=mode)
+    assert result.mode == mode and result.optimizer == "AdamW"
+    assert model.trainer is trainer and not hasattr(model, "trainer_seen")  # the copy ran the step
+
+
+def test_a_lightning_module_can_be_profiled_on_its_forward_input() -> None:
+    """``example_input_array`` is ``forward``'s input: the step is then ``forward`` and the output's sum."""
+    idx = torch.randint(0, 37, (4, 16))
+    result = profile(TinyGPT(), idx, step="forward", batch_source="example_input_array")
+    assert result.batch["source"] == "example_input_array"
+    assert result.batch["tensors"] == [{"shape": [4, 16], "dtype": "int64", "device": "cpu"}]
+    assert result.modules["h.0.fc"].fwd_flops == 2 * 4 * 16 * 21 * 85
+    with pytest.raises(ProfilingError, match="not a LightningModule"):
+        profile(BigAndSmall(), torch.randn(2, 512), step="training_step")
+
+
+class CachesANonLeaf(nn.Module):
+    """A module ``copy.deepcopy`` refuses (it holds a tensor computed from a parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.cached = self.lin.weight * 2
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["measured", "estimated"])
+def test_a_model_that_cannot_be_copied_is_profiled_in_place_and_restored(mode: str) -> None:
+    model = CachesANonLeaf()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    weight = model.lin.weight
+    with pytest.warns(UserWarning, match="profiling CachesANonLeaf in place"):
+        result = profile(model, torch.randn(4, 3), optimizer=torch.optim.Adam(model.parameters()), mode=mode)
+    assert result.modules["lin"].optim_state_bytes == 2 * 48
+    assert model.lin.weight is weight and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.lin.weight.grad is None and not model.lin.weight.is_meta
+
+
+def test_a_model_without_parameters_is_refused() -> None:
+    with pytest.raises(ProfilingError, match="ReLU has no parameters"):
+        profile(nn.ReLU(), torch.randn(2, 3))
+
+
+def test_a_batch_that_does_not_fit_the_model_names_the_class_and_the_shapes() -> None:
+    with pytest.raises(ProfilingError, match=r"BigAndSmall\.forward.*float32\[3, 7\]") as info:
+        profile(BigAndSmall(), torch.randn(3, 7))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(ProfilingError, match=r"TinyGPT\.training_step.*int64\[4\], float32\[2\]"):
+        profile(TinyGPT(), (torch.arange(4), torch.randn(2)))
+
+
+def test_a_training_step_that_returns_no_loss_is_refused() -> None:
+    model = TinyGPT()
+    model.training_step = lambda batch, idx: None  # type: ignore[method-assign,assignment]
+    with pytest.raises(ProfilingError, match="returned NoneType, not a loss"):
+        profile(model, tiny_gpt_batch())
+
+
+def test_an_optimizer_over_foreign_parameters_is_refused() -> None:
+    model = HandCounted()
+    stranger = torch.optim.Adam([nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ProfilingError, match="not HandCounted's"):
+        profile(model, torch.tensor([[1, 2, 3]]), optimizer=stranger)
+
+
+def test_profile_survives_a_json_round_trip_and_prints_as_a_table(tmp_path: Any) -> None:
+    result = profile(TinyGPT(), tiny_gpt_batch(), batch_source="train_dataloader[0]")
+    result.collectives["all_gather"] = CollectiveFit("all_gather", 2, 1e-4, 2e8, [(4096, 1.2e-4), (65536, 4e-4)])
+    loaded = ModelProfile.load(result.save(tmp_path / "profile.json"))
+    assert loaded == result
+    assert math.isinf(loaded.collectives["all_reduce"].beta_bytes_per_second)
+    text = str(loaded)
+    assert text == format_profile(loaded)
+    assert "measured on cpu" in text and "train_dataloader[0]" in text
+    assert "MultiheadAttention" in text and "all_gather" in text and "\x1b[" not in text
+    folded = format_profile(loaded, max_depth=1)
+    assert "ln_1" not in folded and " h " in folded and "MultiheadAttention" not in folded
