@@ -9,7 +9,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_osdp.apply import OSDPModule, SplitLinear, apply_plan
 from lightning_osdp.budget import parse_memory_budget
+from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.plan import MODES, Decision, Plan, PlanError, default_units
+from lightning_osdp.profiling import ModelProfile, benchmark_collectives, profile
+from lightning_osdp.solver import InfeasibleBudgetError, format_plan, minimum_budget, solve
 from lightning_osdp.strategy import OSDPStrategy
 
 __version__ = "0.1.0"
@@ -17,14 +20,23 @@ __version__ = "0.1.0"
 __all__ = [
     "MODES",
     "Decision",
+    "InfeasibleBudgetError",
+    "ModelProfile",
     "OSDPModule",
     "OSDPStrategy",
     "Plan",
     "PlanError",
+    "Prediction",
     "SplitLinear",
     "apply_plan",
+    "benchmark_collectives",
     "default_units",
+    "format_plan",
+    "minimum_budget",
     "parse_memory_budget",
+    "predict",
+    "profile",
+    "solve",
 ]
 
 if OSDPStrategy.strategy_name not in StrategyRegistry:

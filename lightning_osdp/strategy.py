@@ -68,8 +68,8 @@ class OSDPStrategy(ParallelStrategy):
         plan: a :class:`~lightning_osdp.Plan`, or the path (``str`` or ``os.PathLike``) of a plan file; applied
             as is when given. Without one the strategy profiles the model on the first training batch and solves
             for the fastest plan under ``memory_budget`` (a resumed run reuses its checkpoint's plan when the
-            world size and the requested budget are unchanged). (Annotated ``Any`` so that LightningCLI hands a YAML path through unchanged:
-            jsonargparse would otherwise read the file as the ``Plan`` dataclass's fields.)
+            world size and the requested budget are unchanged). Annotated ``Any`` so that LightningCLI hands a
+            YAML path through unchanged: jsonargparse would otherwise read the file as the ``Plan`` dataclass.
         process_group_backend: ``"gloo"``/``"nccl"``; default by device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (Lightning's subprocess launcher, the default), ``"spawn"``, ``"fork"`` or
@@ -316,6 +316,8 @@ class OSDPStrategy(ParallelStrategy):
             step=step,
             batch_source=source,
             step_context=self.precision_plugin.train_step_context,
+            # The ranks of this machine share its memory: measure the model in place only if a copy fits its share.
+            available_memory=device_memory_capacity(self.root_device, self.num_processes),
         )
         self._profile = profile
         outcome: tuple[Plan | None, BaseException | None] = (None, None)
@@ -336,13 +338,14 @@ class OSDPStrategy(ParallelStrategy):
         if error is not None:
             raise error
         assert plan is not None
+        # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
+        out = (
+            Path(self._plan_out)
+            if self._plan_out
+            else Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
+        )
         if self.is_global_zero:
             print(format_plan(plan, predict(profile, plan, self.world_size), budget=self._memory_budget))
-            out = (
-                Path(self._plan_out)
-                if self._plan_out
-                else Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
-            )
             plan.save(out)
             profile.save(out.with_name(out.stem + ".profile.json"))
             rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
