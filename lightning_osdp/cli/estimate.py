@@ -1,0 +1,176 @@
+"""A profile of a model on hardware that is not here, at any batch size: the dry run's half of stage 1.
+
+[Note: rates of another device]
+``lightning_osdp.profiling.profile`` in estimated mode runs one step on fake tensors and converts each operator's
+FLOPs and bytes into seconds with rates it benchmarks on *this* machine. A dry run wants the rates of the GPU it
+plans for, and ``profile`` takes no rates argument (yet), so :func:`estimated_profile` substitutes the profiler's
+two benchmark functions for the duration of the call and checks, afterwards, that the profile records exactly the
+rates it was given: if the profiler changes how it obtains rates, the dry run fails loudly instead of silently
+timing a GPU step at CPU speed. The profile is then relabelled for the target: its device (``"cuda ..."``, so the
+cost model lets collectives overlap compute, as CUDA streams do), world size, collectives and copy bandwidth.
+
+[Note: batch size]
+Every figure a profile holds is an affine function of the per-device batch size ``b``: saved activations, outputs
+and FLOPs are proportional to ``b`` (every activation has a batch dimension; the rest, such as a positional
+index, is constant), times are ``ops * latency + work / rate`` with a constant operator count, and parameters,
+gradients and optimizer state do not depend on ``b`` at all. So the dry run profiles twice, at ``b`` and ``2b``,
+and :class:`BatchScaledProfile` interpolates (or extrapolates) every figure that differs between the two to any
+other batch size, exactly up to integer rounding, instead of tracing the model again for each size that the
+batch-size search tries (``tests/test_cli.py`` checks the interpolation against a direct profile).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+from torch import nn
+
+from lightning_osdp.cli.errors import CLIError
+from lightning_osdp.cli.hardware import HardwareFigures
+from lightning_osdp.profiling import ModelProfile, ModuleProfile, ProfilingError, profile
+
+__all__ = ["BatchScaledProfile", "estimated_profile", "largest_batch"]
+
+_NOT_SCALED = frozenset({"world_size", "profiling_seconds", "optim_state_factor"})
+
+
+@contextmanager
+def _rates_of(figures: HardwareFigures) -> Iterator[None]:
+    from lightning_osdp.profiling import profiler
+
+    with (
+        mock.patch.object(profiler, "measure_device_rates", lambda *args, **kwargs: figures.rates),
+        mock.patch.object(profiler, "measure_copy_bandwidth", lambda *args, **kwargs: figures.copy_bytes_per_second),
+    ):
+        yield
+
+
+def estimated_profile(
+    model: nn.Module,
+    batch: Any,
+    figures: HardwareFigures,
+    *,
+    step: str = "auto",
+    optimizer: Any = None,
+    step_context: Callable[[], Any] | None = None,
+    batch_source: str = "argument",
+) -> ModelProfile:
+    """Profile ``model`` (on the meta device) on ``batch`` as if it ran on the hardware of ``figures`` (see
+    [Note: rates of another device]).
+
+    Raises:
+        CLIError: the model's step cannot run on fake tensors (the profiler's message).
+    """
+    try:
+        with _rates_of(figures):
+            result = profile(
+                model,
+                batch,
+                mode="estimated",
+                step=step,
+                optimizer=optimizer,
+                step_context=step_context,
+                collectives=figures.collectives,
+                batch_source=batch_source,
+            )
+    except ProfilingError as err:
+        raise CLIError(str(err).replace("\n", " ")) from err
+    if result.info.get("rates") != figures.rates.to_dict():
+        raise RuntimeError(
+            "lightning_osdp.profiling no longer takes its rates from measure_device_rates; the dry run cannot set "
+            "the target hardware's rates (update lightning_osdp/cli/estimate.py)"
+        )
+    result.device = figures.device
+    result.info["copy_bytes_per_second"] = figures.copy_bytes_per_second
+    result.info["hardware"] = figures.description
+    return result
+
+
+def _affine(low: Any, high: Any, t: float) -> Any:
+    value = low + (high - low) * t
+    return max(round(value), 0) if isinstance(low, int) and isinstance(high, int) else max(value, 0.0)
+
+
+def _scaled_fields(obj: Any, low: Any, high: Any, t: float, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    changes = {}
+    for f in dataclasses.fields(obj):
+        a, b = getattr(low, f.name), getattr(high, f.name)
+        if f.name in skip or isinstance(a, bool) or not isinstance(a, (int, float)) or a == b:
+            continue
+        changes[f.name] = _affine(a, b, t)
+    return changes
+
+
+class BatchScaledProfile:
+    """Profiles at any batch size from two profiles of one model (see [Note: batch size]).
+
+    Args:
+        low, high: profiles of the same model at per-device batch sizes ``low_batch < high_batch``.
+    """
+
+    def __init__(self, low: ModelProfile, low_batch: int, high: ModelProfile, high_batch: int) -> None:
+        if not 0 < low_batch < high_batch:
+            raise ValueError(f"need 0 < low_batch < high_batch, got {low_batch} and {high_batch}")
+        if list(low.modules) != list(high.modules):
+            raise ValueError("the two profiles are of different models")
+        self.low, self.high = low, high
+        self.low_batch, self.high_batch = low_batch, high_batch
+        self._cache: dict[int, ModelProfile] = {low_batch: low, high_batch: high}
+
+    def at(self, batch_size: int) -> ModelProfile:
+        """The profile at ``batch_size`` (a new object; the two measured ones are returned as they are)."""
+        if batch_size < 1:
+            raise ValueError(f"batch size must be at least 1, got {batch_size}")
+        if batch_size in self._cache:
+            return self._cache[batch_size]
+        t = (batch_size - self.low_batch) / (self.high_batch - self.low_batch)
+        modules: dict[str, ModuleProfile] = {}
+        for name, low in self.low.modules.items():
+            high = self.high.modules[name]
+            modules[name] = dataclasses.replace(low, **_scaled_fields(low, low, high, t))
+        result = dataclasses.replace(
+            self.low, modules=modules, **_scaled_fields(self.low, self.low, self.high, t, skip=_NOT_SCALED)
+        )
+        result.info = {
+            **copy.deepcopy(self.low.info),
+            "batch_scaling": {"batch_size": batch_size, "profiled_at": [self.low_batch, self.high_batch]},
+        }
+        result.batch = _batch_description(self.low.batch, self.low_batch, batch_size)
+        self._cache[batch_size] = result
+        return result
+
+
+def _batch_description(batch: dict[str, Any], old: int, new: int) -> dict[str, Any]:
+    tensors = [
+        {**t, "shape": [new, *t["shape"][1:]] if t.get("shape") and t["shape"][0] == old else t.get("shape")}
+        for t in batch.get("tensors", [])
+    ]
+    source = f"{batch.get('source', '?')}, scaled from batch {old}"
+    return {**batch, "tensors": tensors, "bytes": batch.get("bytes", 0) * new // max(old, 1), "source": source}
+
+
+def largest_batch(fits: Callable[[int], bool], *, limit: int = 1 << 16) -> int:
+    """The largest ``b`` in ``[1, limit]`` with ``fits(b)``, for a ``fits`` that is true up to some size and false
+    beyond (peak memory grows with the batch); 0 if even ``b = 1`` does not fit. Doubling, then bisection."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while True:
+        if high > limit:
+            high = limit + 1  # never evaluated: the search stops at limit
+            break
+        if not fits(high):
+            break
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high)
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low

@@ -1,0 +1,421 @@
+"""Hardware figures for a dry run: how fast a GPU computes and how fast its interconnect runs each collective.
+
+``osdp plan`` profiles the model on fake tensors (no GPU, no memory) and converts each operator's FLOPs and bytes
+into seconds with a :class:`~lightning_osdp.profiling.DeviceRates`; the plan's collectives cost
+``alpha + bytes / beta`` per call (:class:`~lightning_osdp.profiling.CollectiveFit`). On a real cluster both are
+measured. Here they come from a built-in :class:`Hardware` entry, or from a saved profile
+(:func:`hardware_from_file`).
+
+[Note: these are approximations]
+The built-in figures are vendors' data-sheet peaks times round efficiency factors, and collective bandwidths of
+the order that public ``nccl-tests`` runs report. They are inputs, stated here so that anyone can check or change
+them; they are not measurements of any particular machine, and a real cluster can differ by tens of percent
+(clocks, power limits, PCIe topology, NCCL version and settings). A prediction made from them answers "does it fit,
+and roughly how fast, and which strategy wins", not "how many milliseconds". Memory predictions do not depend on
+them at all: bytes come from the traced step. To plan for a real machine, run once on it (the strategy saves
+``osdp_plan.profile.json``) and pass that file with ``--hardware-profile``.
+
+[Note: the collective model]
+NCCL runs large all-gathers, reduce-scatters and all-reduces as rings. With ``S`` the full buffer (the gathered
+output, the reduce-scatter input, the all-reduce buffer, as in ``CollectiveFit``) and ``N`` ranks, a ring moves
+``(N - 1) / N * S`` bytes per rank for all-gather and reduce-scatter and twice that for all-reduce
+(``nccl-tests``' PERFORMANCE.md calls ``S / t`` times that factor the *bus bandwidth*, the figure that is about
+constant in ``N``). So with ``busbw`` the link's bus bandwidth::
+
+    all_gather, reduce_scatter:  t = launch + (N - 1) * hop     + (N - 1) / N * S / busbw
+    all_reduce:                  t = launch + 2 * (N - 1) * hop + 2 * (N - 1) / N * S / busbw
+
+A ring spanning several nodes runs at the slower of the node's NVLink/PCIe and its network links, and pays the
+slower link's hop latency. NCCL's tree and NVLS algorithms beat the ring at some sizes and scales: this model is
+conservative there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_osdp.cli.errors import CLIError
+from lightning_osdp.cli.output import Output
+from lightning_osdp.profiling import COLLECTIVE_OPS, CollectiveFit, DeviceRates, fit_latency_throughput
+
+__all__ = [
+    "HARDWARE",
+    "Hardware",
+    "HardwareFigures",
+    "Link",
+    "add_parser",
+    "get_hardware",
+    "hardware_from_file",
+    "ring_collectives",
+    "run",
+]
+
+GB = 1e9
+TFLOPS = 1e12
+
+# --------------------------------------------------------------------------------------- efficiency assumptions
+# NOTE: round factors applied to every data-sheet peak below. Large transformer GEMMs reach 70-85% of the
+# dense tensor-core peak in cuBLAS; the smaller matmuls of a step (attention, narrow projections) less, so 0.7.
+MATMUL_EFFICIENCY_HALF = 0.7
+# FP32 (non-tensor-core, PyTorch's default: TF32 is off unless torch.set_float32_matmul_precision("high")):
+# SGEMM runs nearer its peak on data-centre parts, further on GeForce parts whose peak counts dual-issue FP32.
+MATMUL_EFFICIENCY_FP32 = 0.7
+# Elementwise and normalisation kernels stream at 80-90% of the DRAM bandwidth when large.
+MEMORY_EFFICIENCY = 0.8
+# Per-kernel cost of a GPU operator in an eager training step (launch and tail), seconds. A matmul's is a little
+# larger (cuBLAS heuristics, workspace); both are small next to the kernels of a billion-parameter model.
+MATMUL_OP_SECONDS = 6e-6
+MEMORY_OP_SECONDS = 4e-6
+# Fixed cost of one NCCL collective call (kernel launch and protocol set-up), seconds.
+COLLECTIVE_LAUNCH_SECONDS = 8e-6
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect as the collective model (see [Note: the collective model]) sees it.
+
+    Attributes:
+        name: what it is, for the report.
+        bus_bytes_per_second: NCCL bus bandwidth of large collectives over it (bytes/s, ``nccl-tests`` busbw).
+        hop_seconds: latency of one ring step over it.
+    """
+
+    name: str
+    bus_bytes_per_second: float
+    hop_seconds: float
+
+
+# Bus bandwidths are of the order public nccl-tests results report for 8 GPUs (all_reduce busbw, large messages),
+# rounded down; hop latencies are a few microseconds: small-message all_reduce on 8 NVSwitch GPUs takes 10-20 us.
+NVLINK3_NVSWITCH = Link("NVLink 3 + NVSwitch (600 GB/s bidirectional per GPU)", 200 * GB, 0.8e-6)
+NVLINK4_NVSWITCH = Link("NVLink 4 + NVSwitch (900 GB/s bidirectional per GPU)", 360 * GB, 0.8e-6)
+# GeForce RTX 4090: no peer-to-peer; NCCL stages every transfer through host memory over PCIe 4.0 x16.
+PCIE4_NO_P2P = Link("PCIe 4.0 x16 without peer-to-peer, through host memory", 8 * GB, 4e-6)
+# Data-centre PCIe cards (L4, A10G) in 8-GPU cloud servers: PCIe 4.0 x16 through switches, across two sockets.
+PCIE4 = Link("PCIe 4.0 x16", 10 * GB, 3e-6)
+# Multi-node rings cross the network once per node; the node's bus bandwidth is then about its aggregate network
+# bandwidth: 8 x 200 Gb/s HDR InfiniBand (DGX A100) = 200 GB/s, 8 x 400 Gb/s NDR (DGX H100) = 400 GB/s, ~90% used.
+INFINIBAND_8X_HDR = Link("8 x 200 Gb/s HDR InfiniBand per node", 180 * GB, 5e-6)
+INFINIBAND_8X_NDR = Link("8 x 400 Gb/s NDR InfiniBand per node", 360 * GB, 5e-6)
+# Cloud PCIe servers (AWS g5/g6.48xlarge) have one 100 Gb/s network; NCCL over TCP sockets uses part of it.
+ETHERNET_100G = Link("100 Gb/s Ethernet (NCCL over sockets)", 9 * GB, 30e-6)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of GPU server: data-sheet figures of its GPU and its interconnects.
+
+    Attributes:
+        name: the ``--hardware`` name.
+        gpu: the GPU's full name.
+        memory_bytes: device memory.
+        half_flops: dense BF16/FP16 tensor-core peak with FP32 accumulation (what PyTorch uses), FLOP/s.
+        fp32_flops: FP32 (non-tensor-core) peak, FLOP/s.
+        memory_bytes_per_second: DRAM bandwidth.
+        gpus_per_node: GPUs one node holds and joins by ``intra``.
+        intra: the link between GPUs of one node.
+        inter: the link between nodes (``None``: a single machine).
+        source: where the GPU figures come from.
+    """
+
+    name: str
+    gpu: str
+    memory_bytes: int
+    half_flops: float
+    fp32_flops: float
+    memory_bytes_per_second: float
+    gpus_per_node: int
+    intra: Link
+    inter: Link | None
+    source: str
+
+    def figures(self, world_size: int, precision: str) -> HardwareFigures:
+        """Rates and collective fits of ``world_size`` of these GPUs training at ``precision``."""
+        if world_size < 1:
+            raise CLIError(f"world size must be at least 1, got {world_size}")
+        nodes = math.ceil(world_size / self.gpus_per_node)
+        if nodes > 1 and self.inter is None:
+            raise CLIError(
+                f"hardware {self.name!r} is one machine of {self.gpus_per_node} GPUs; world size {world_size} needs "
+                f"{nodes} machines and no network is described for it (use --hardware-profile with measured figures)"
+            )
+        link = self.intra
+        if nodes > 1 and self.inter is not None and self.inter.bus_bytes_per_second < link.bus_bytes_per_second:
+            link = self.inter
+        half = precision.startswith(("bf16", "16"))
+        flops = (self.half_flops * MATMUL_EFFICIENCY_HALF) if half else (self.fp32_flops * MATMUL_EFFICIENCY_FP32)
+        bandwidth = self.memory_bytes_per_second * MEMORY_EFFICIENCY
+        rates = DeviceRates(
+            device=f"cuda ({self.gpu})",
+            dtype="bfloat16" if half else "float32",
+            matmul_op_seconds=MATMUL_OP_SECONDS,
+            matmul_flops_per_second=flops,
+            memory_op_seconds=MEMORY_OP_SECONDS,
+            memory_bytes_per_second=bandwidth,
+        )
+        where = self.intra.name if nodes == 1 else f"{nodes} nodes: {self.intra.name}; between nodes {link.name}"
+        return HardwareFigures(
+            name=self.name,
+            device=f"cuda ({self.gpu}, estimated from built-in figures)",
+            memory_bytes=self.memory_bytes,
+            rates=rates,
+            # A device-to-device copy reads and writes every byte: half the DRAM bandwidth.
+            copy_bytes_per_second=bandwidth / 2,
+            collectives=ring_collectives(world_size, link),
+            description=f"{world_size} x {self.gpu} ({where})",
+        )
+
+
+@dataclass(frozen=True)
+class HardwareFigures:
+    """What a dry run needs of the hardware, for one world size and precision.
+
+    Attributes:
+        name: the built-in name or the file the figures came from.
+        device: device label written into the profile (``"cuda ..."``: the cost model then lets communication
+            overlap compute, as CUDA streams do).
+        memory_bytes: device memory, when known (the default budget is this less a reserve).
+        rates: compute and memory rates of the estimated mode.
+        copy_bytes_per_second: bandwidth of FSDP2's own copies.
+        collectives: ``all_gather``, ``reduce_scatter``, ``all_reduce`` fits at this world size.
+        description: one line for the report.
+    """
+
+    name: str
+    device: str
+    memory_bytes: int | None
+    rates: DeviceRates
+    copy_bytes_per_second: float
+    collectives: dict[str, CollectiveFit]
+    description: str
+
+
+def ring_collectives(world_size: int, link: Link) -> dict[str, CollectiveFit]:
+    """``alpha + bytes / beta`` fits of ring collectives over ``link`` (see [Note: the collective model])."""
+    if world_size == 1:
+        return {op: CollectiveFit(op, 1, 0.0, math.inf, []) for op in COLLECTIVE_OPS}
+    n = world_size
+    share = (n - 1) / n  # of the full buffer that each rank sends (and receives) in a ring pass
+    fits = {}
+    for op in COLLECTIVE_OPS:
+        passes = 2 if op == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
+        alpha = COLLECTIVE_LAUNCH_SECONDS + passes * (n - 1) * link.hop_seconds
+        beta = link.bus_bytes_per_second / (passes * share)
+        fits[op] = CollectiveFit(op, n, alpha, beta, [])
+    return fits
+
+
+def _gpu(
+    name: str,
+    gpu: str,
+    *,
+    memory_gib: float,
+    half_tflops: float,
+    fp32_tflops: float,
+    dram_gb_per_s: float,
+    intra: Link,
+    inter: Link | None,
+    source: str,
+) -> Hardware:
+    return Hardware(
+        name=name,
+        gpu=gpu,
+        memory_bytes=int(memory_gib * 2**30),
+        half_flops=half_tflops * TFLOPS,
+        fp32_flops=fp32_tflops * TFLOPS,
+        memory_bytes_per_second=dram_gb_per_s * GB,
+        gpus_per_node=8,
+        intra=intra,
+        inter=inter,
+        source=source,
+    )
+
+
+#: The built-in hardware, by ``--hardware`` name. GPU figures: dense (no sparsity) peaks from the vendor's data
+#: sheet or whitepaper named in ``source``; memory as the card reports it (a "24 GB" card has 24 GiB).
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        _gpu(
+            "a100-80g-nvlink", "NVIDIA A100-SXM4-80GB",
+            memory_gib=80, half_tflops=312, fp32_tflops=19.5, dram_gb_per_s=2039,
+            intra=NVLINK3_NVSWITCH, inter=INFINIBAND_8X_HDR,
+            source="NVIDIA A100 data sheet (SXM4 80GB: BF16 312 TFLOPS dense, FP32 19.5, HBM2e 2,039 GB/s)",
+        ),
+        _gpu(
+            "a100-40g-nvlink", "NVIDIA A100-SXM4-40GB",
+            memory_gib=40, half_tflops=312, fp32_tflops=19.5, dram_gb_per_s=1555,
+            intra=NVLINK3_NVSWITCH, inter=INFINIBAND_8X_HDR,
+            source="NVIDIA A100 data sheet (SXM4 40GB: BF16 312 TFLOPS dense, FP32 19.5, HBM2 1,555 GB/s)",
+        ),
+        _gpu(
+            "h100-sxm", "NVIDIA H100 80GB HBM3 (SXM5)",
+            memory_gib=80, half_tflops=989, fp32_tflops=67, dram_gb_per_s=3350,
+            intra=NVLINK4_NVSWITCH, inter=INFINIBAND_8X_NDR,
+            source="NVIDIA H100 data sheet (SXM5: BF16 989 TFLOPS dense, FP32 67, HBM3 3.35 TB/s)",
+        ),
+        _gpu(
+            "rtx4090-pcie", "NVIDIA GeForce RTX 4090",
+            memory_gib=24, half_tflops=165.2, fp32_tflops=82.6, dram_gb_per_s=1008,
+            intra=PCIE4_NO_P2P, inter=None,
+            source="NVIDIA Ada Lovelace whitepaper (RTX 4090: BF16 with FP32 accumulate 165.2 TFLOPS dense, "
+            "FP32 82.6, GDDR6X 1,008 GB/s)",
+        ),
+        _gpu(
+            "l4-pcie", "NVIDIA L4",
+            memory_gib=24, half_tflops=121, fp32_tflops=30.3, dram_gb_per_s=300,
+            intra=PCIE4, inter=ETHERNET_100G,
+            source="NVIDIA L4 data sheet (BF16 121 TFLOPS dense, FP32 30.3, GDDR6 300 GB/s)",
+        ),
+        _gpu(
+            "a10g", "NVIDIA A10G (AWS g5)",
+            memory_gib=24, half_tflops=70, fp32_tflops=31.2, dram_gb_per_s=600,
+            intra=PCIE4, inter=ETHERNET_100G,
+            source="AWS does not publish A10G tensor figures: ~70 TFLOPS BF16 dense as third parties report (the "
+            "A10's data sheet says 125), FP32 31.2, GDDR6 600 GB/s",
+        ),
+    )
+}  # fmt: skip
+
+
+def get_hardware(name: str) -> Hardware:
+    """The built-in entry ``name``; the error lists the known names."""
+    try:
+        return HARDWARE[name.lower()]
+    except KeyError:
+        raise CLIError(
+            f"unknown hardware {name!r}; known: {', '.join(HARDWARE)} (or --hardware-profile FILE)"
+        ) from None
+
+
+def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
+    """Figures measured on a real machine, from a saved profile (``osdp_plan.profile.json``, which the strategy
+    writes beside the plan) or a hardware file of the same fields.
+
+    The profile's collective fits are used as measured when its world size equals ``world_size``; otherwise their
+    bus bandwidth (see [Note: the collective model]) is carried over to ``world_size``, and their latency kept.
+    Rates: the ``"rates"`` an estimated profile records; a measured profile has none, so the matmul rate is fitted
+    to its modules' FLOPs and times (a module's forward and backward do about three times its forward FLOPs), and
+    the memory rate taken from its measured copy bandwidth (a copy reads and writes: twice the bytes). The rates
+    are those of the precision that run used.
+    """
+    path = Path(path)
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CLIError(f"hardware profile {str(path)!r} does not exist") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise CLIError(f"cannot read hardware profile {str(path)!r}: {err}") from None
+    info = data.get("info") or {}
+    fits = data.get("collectives") or {}
+    if not isinstance(fits, dict) or not all(op in fits for op in COLLECTIVE_OPS):
+        raise CLIError(f"{path}: no collective fits ({', '.join(COLLECTIVE_OPS)}); is it a lightning_osdp profile?")
+    measured = {op: CollectiveFit(**{**fits[op], "samples": []}) for op in COLLECTIVE_OPS}
+    if world_size > 1 and any(f.world_size < 2 for f in measured.values()):
+        raise CLIError(
+            f"{path}: its collectives were measured on one rank, where nothing is communicated; use a profile "
+            "from a run on several ranks"
+        )
+    collectives = {op: _rescaled(fit, world_size) for op, fit in measured.items()}
+    copy_rate = float(info.get("copy_bytes_per_second") or 0.0)
+    rates = DeviceRates(**info["rates"]) if info.get("rates") else _rates_from_measured_modules(data, copy_rate, path)
+    return HardwareFigures(
+        name=str(path),
+        device=str(data.get("device") or rates.device),
+        memory_bytes=data.get("memory_bytes"),
+        rates=rates,
+        copy_bytes_per_second=copy_rate or rates.memory_bytes_per_second / 2,
+        collectives=collectives,
+        description=f"{world_size} x {data.get('device', '?')} (figures from {path})",
+    )
+
+
+def _rescaled(fit: CollectiveFit, world_size: int) -> CollectiveFit:
+    if world_size == 1:
+        return CollectiveFit(fit.op, 1, 0.0, math.inf, [])
+    if fit.world_size == world_size or fit.world_size < 2 or math.isinf(fit.beta_bytes_per_second):
+        return CollectiveFit(fit.op, world_size, fit.alpha_seconds, fit.beta_bytes_per_second, [])
+    passes = 2 if fit.op == "all_reduce" else 1
+    bus = fit.beta_bytes_per_second * passes * (fit.world_size - 1) / fit.world_size
+    return CollectiveFit(fit.op, world_size, fit.alpha_seconds, bus / (passes * (world_size - 1) / world_size), [])
+
+
+def _rates_from_measured_modules(data: dict[str, Any], copy_rate: float, path: Path) -> DeviceRates:
+    samples = [
+        (3.0 * float(m.get("fwd_flops", 0)), float(m.get("fwd_seconds", 0)) + float(m.get("bwd_seconds", 0)))
+        for m in data.get("modules", [])
+        if m.get("fwd_flops", 0) > 0 and m.get("fwd_seconds", 0) > 0
+    ]
+    alpha, rate = fit_latency_throughput(samples)
+    if not samples or math.isinf(rate) or copy_rate <= 0:
+        raise CLIError(f"{path}: neither device rates nor enough measured module times to derive them")
+    return DeviceRates(str(data.get("device", "?")), "float32", alpha, rate, 0.0, 2 * copy_rate)
+
+
+# ------------------------------------------------------------------------------------------ osdp hardware
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``osdp hardware``."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "hardware",
+        help="list the built-in hardware figures that osdp plan --hardware uses",
+        description="The built-in hardware figures: data-sheet peaks, the efficiencies applied, and the collective "
+        "times they imply at a world size. Approximations: see lightning_osdp/cli/hardware.py.",
+    )
+    parser.add_argument("--world-size", type=int, default=8, metavar="N", help="world size of the collective times")
+    return parser
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    """Run ``osdp hardware``; returns the exit status."""
+    size = 64 * 2**20
+    rows = []
+    for hw in HARDWARE.values():
+        figures = hw.figures(args.world_size, "bf16-mixed") if hw.inter or args.world_size <= hw.gpus_per_node else None
+        if figures is None:
+            times = ["-", "-"]
+        else:
+            times = [f"{figures.collectives[op].seconds(size) * 1e3:.2f}" for op in ("all_gather", "all_reduce")]
+        rows.append(
+            [
+                hw.name,
+                hw.gpu,
+                f"{hw.memory_bytes / 2**30:.0f} GiB",
+                f"{hw.half_flops / TFLOPS:.0f}",
+                f"{hw.fp32_flops / TFLOPS:.1f}",
+                f"{hw.memory_bytes_per_second / GB:,.0f}",
+                f"{hw.intra.bus_bytes_per_second / GB:.0f}",
+                f"{hw.inter.bus_bytes_per_second / GB:.0f}" if hw.inter else "-",
+                *times,
+            ]
+        )
+    notes = [
+        f"TFLOPS: dense data-sheet peaks; a dry run uses {MATMUL_EFFICIENCY_HALF:.0%} of the BF16/FP16 one (mixed or "
+        f"true half precision) or {MATMUL_EFFICIENCY_FP32:.0%} of the FP32 one (32-true), and "
+        f"{MEMORY_EFFICIENCY:.0%} of the DRAM bandwidth. Bus bandwidths: NCCL busbw of large collectives, of the "
+        "order public nccl-tests runs report; nodes hold 8 GPUs. Approximations, not measurements.",
+        *(f"{hw.name}: {hw.source}" for hw in HARDWARE.values()),
+    ]
+    out.table(
+        f"Built-in hardware (collective times of a 64 MiB buffer on {args.world_size} GPUs)",
+        [
+            "name",
+            "GPU",
+            "memory",
+            "BF16 TFLOPS",
+            "FP32 TFLOPS",
+            "DRAM GB/s",
+            "node busbw GB/s",
+            "net busbw GB/s",
+            "all_gather ms",
+            "all_reduce ms",
+        ],
+        rows,
+        right=list(range(2, 10)),
+        notes=notes,
+    )
+    return 0

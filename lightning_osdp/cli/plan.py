@@ -1,0 +1,503 @@
+"""``osdp plan``: will it fit, and how fast? A dry run of OSDP and its baselines, with no GPU and no cluster.
+
+The model is built on the meta device (a billion parameters cost no memory), profiled on fake tensors with the
+target hardware's rates (``estimate.py``, ``hardware.py``), and planned by the same solver the strategy runs.
+Beside the OSDP plan it predicts the plain strategies OSDP chooses among, each applied uniformly with one unit per
+block as Lightning users wrap them (``Plan.uniform``): DDP (all ``no_shard``), ZeRO-2 (all ``shard_grad_op``) and
+FSDP (all ``full_shard``); and for each the largest per-device batch size whose predicted peak fits the budget.
+
+Example, a GPT-2-XL-shaped model (1.3B parameters) on 8 GeForce RTX 4090s::
+
+    osdp plan --model examples/gpt/gpt.py:GPTModule \\
+        --init-args '{"width": 2048, "depth": 24, "heads": 16, "context_length": 1024, "vocab_size": 50304}' \\
+        --world-size 8 --memory 24GiB --hardware rtx4090-pcie --batch-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_osdp.budget import CUDA_RESERVE_BYTES, format_bytes, parse_memory_budget
+from lightning_osdp.cli.batch import BatchSource, batch_source
+from lightning_osdp.cli.errors import CLIError
+from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile, largest_batch
+from lightning_osdp.cli.hardware import HARDWARE, HardwareFigures, get_hardware, hardware_from_file
+from lightning_osdp.cli.model import (
+    RunConfig,
+    build_on_meta,
+    discover_cli_model,
+    import_object,
+    parse_init_args,
+    read_configs,
+)
+from lightning_osdp.cli.output import Output
+from lightning_osdp.cost_model import Prediction, predict
+from lightning_osdp.plan import MODES, Plan
+from lightning_osdp.profiling import ModelProfile
+from lightning_osdp.solver import InfeasibleBudgetError, format_plan, minimum_budget, solve
+
+__all__ = ["BASELINES", "DryRun", "StrategyFigures", "add_parser", "run"]
+
+_EXAMPLE = """example: a GPT-2-XL-shaped model (1.3B parameters) on 8 GeForce RTX 4090s
+  osdp plan --model examples/gpt/gpt.py:GPTModule \\
+      --init-args '{"width": 2048, "depth": 24, "heads": 16, "context_length": 1024, "vocab_size": 50304}' \\
+      --world-size 8 --memory 24GiB --hardware rtx4090-pcie --batch-size 4"""
+
+#: The uniform strategies compared with OSDP: (name, mode).
+BASELINES: tuple[tuple[str, str], ...] = (("DDP", "no_shard"), ("ZeRO-2", "shard_grad_op"), ("FSDP", "full_shard"))
+
+# Lightning's precision flags and their aliases; 64-bit has no tensor-core rate worth modelling.
+_PRECISIONS = {
+    "32": "32-true",
+    "32-true": "32-true",
+    "bf16": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-true": "bf16-true",
+    "16": "16-mixed",
+    "16-mixed": "16-mixed",
+    "16-true": "16-true",
+}
+
+_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda params: torch.optim.AdamW(params),
+    "adam": lambda params: torch.optim.Adam(params),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``osdp plan`` and its options."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "plan",
+        help="dry-run OSDP, DDP, ZeRO-2 and FSDP for a model on given hardware (no GPU needed)",
+        description="Will it fit, and how fast? Profile a model on fake tensors with the target hardware's figures,\n"
+        "solve the OSDP plan under a per-device memory budget, and compare it with DDP, ZeRO-2 and FSDP,\n"
+        "with the largest batch size each fits. Needs no GPU and no cluster.",
+        epilog=_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="YAML",
+        help="LightningCLI config(s); model:, data.batch_size, trainer.precision/devices and the "
+        "OSDP strategy's init args are read (repeatable, later ones override)",
+    )
+    model.add_argument("--model", metavar="CLASS", help="module:Class, package.module.Class or path/to/file.py:Class")
+    model.add_argument("--init-args", metavar="JSON", help="the model's __init__ arguments as a JSON object")
+    model.add_argument(
+        "--init-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one __init__ argument (value read as YAML); repeatable, overrides --init-args",
+    )
+    model.add_argument(
+        "--batch",
+        metavar="SPEC",
+        help="DTYPE:SHAPE per tensor (int64:8x1025; comma-separated for a tuple) or module:function "
+        "called with the batch size; default: the model's example_input_array, or token windows of "
+        "context_length + 1",
+    )
+    model.add_argument("--batch-size", type=int, metavar="N", help="per-device batch size")
+    model.add_argument(
+        "--precision", choices=sorted(_PRECISIONS), help="Lightning precision (default: config, else 32-true)"
+    )
+    model.add_argument(
+        "--optimizer",
+        choices=["auto", *_OPTIMIZERS],
+        default="auto",
+        help="optimizer whose state is counted; auto: configure_optimizers(), AdamW if it needs a Trainer",
+    )
+    machine = parser.add_argument_group("machine")
+    machine.add_argument(
+        "--world-size", type=int, metavar="N", help="number of GPUs (default: config devices x num_nodes)"
+    )
+    machine.add_argument(
+        "--memory",
+        metavar="BYTES",
+        help="per-device memory budget, e.g. 24GiB (default: the config's, else the GPU's memory "
+        f"less {format_bytes(CUDA_RESERVE_BYTES)})",
+    )
+    machine.add_argument("--hardware", metavar="NAME", help=f"built-in figures: {', '.join(HARDWARE)}")
+    machine.add_argument(
+        "--hardware-profile",
+        metavar="JSON",
+        help="measured figures: a saved profile (osdp_plan.profile.json) from a run on the target",
+    )
+    planner = parser.add_argument_group("planner")
+    planner.add_argument(
+        "--modes", metavar="M[,M...]", help=f"modes OSDP may choose (default: all of {', '.join(MODES)})"
+    )
+    planner.add_argument("--max-split", type=int, metavar="K", help="largest operator-splitting factor (default 8)")
+    planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
+    parser.add_argument("--out", metavar="PLAN.json", help="save the OSDP plan here (its profile beside it)")
+    parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
+    return parser
+
+
+@dataclass
+class DryRun:
+    """Everything a dry run was asked for, resolved from the options and configs."""
+
+    model: nn.Module
+    model_name: str
+    model_spec: str
+    init_args: dict[str, Any]
+    figures: HardwareFigures
+    world_size: int
+    budget: int
+    budget_source: str
+    batch_size: int
+    batch: BatchSource
+    precision: str
+    optimizer: Any
+    optimizer_note: str
+    modes: tuple[str, ...]
+    max_split: int
+    time_limit: float
+
+
+@dataclass
+class StrategyFigures:
+    """One row of the comparison.
+
+    Attributes:
+        name: ``"OSDP"``, ``"DDP"``, ``"ZeRO-2"`` or ``"FSDP"``.
+        plan: the plan predicted (OSDP's from the solver).
+        prediction: its prediction at the requested batch size.
+        max_batch: the largest per-device batch size whose peak fits the budget (0: none; ``None``: not searched).
+        max_batch_seconds: the predicted step time at ``max_batch``.
+    """
+
+    name: str
+    plan: Plan
+    prediction: Prediction
+    max_batch: int | None = None
+    max_batch_seconds: float | None = None
+
+
+def _precision_plugin(precision: str) -> Any:
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    if precision.endswith("-mixed"):
+        # The autocast dtype is what matters for the profile; device "cpu": the fake tensors live there.
+        return MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
+    if precision in ("bf16-true", "16-true"):
+        return HalfPrecision(precision)  # type: ignore[arg-type]
+    return Precision()
+
+
+def _model_spec(args: argparse.Namespace, config: RunConfig, out: Output) -> str:
+    if args.model:
+        return str(args.model)
+    if config.model:
+        return config.model
+    if args.config:
+        found = discover_cli_model(args.config[-1])
+        if found is not None:
+            spec, script = found
+            out.note(f"model class {spec.rpartition(':')[2]} from the LightningCLI call in {script}")
+            return spec
+    raise CLIError(
+        "no model given: pass --model module:Class (or path/to/file.py:Class), or a --config whose model: section "
+        "has a class_path"
+    )
+
+
+def _optimizer(choice: str, model: nn.Module) -> tuple[Any, str]:
+    if choice != "auto":
+        return _OPTIMIZERS[choice], f"--optimizer {choice}"
+    configure = getattr(model, "configure_optimizers", None)
+    if configure is None:
+        return _OPTIMIZERS["adamw"], "assumed: the model has no configure_optimizers(); --optimizer to choose"
+    try:
+        configure()
+    except Exception as err:
+        # Often a learning-rate schedule that asks the (absent) Trainer for its number of steps: the optimizer's
+        # type, which is all the profile needs, is then unknown.
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:100]
+        note = f"assumed: configure_optimizers() needs a Trainer ({reason}); --optimizer to choose"
+        return _OPTIMIZERS["adamw"], note
+    return None, "from configure_optimizers()"
+
+
+def _modes(text: str | None, config: RunConfig) -> tuple[str, ...]:
+    names = [m.strip() for m in text.split(",")] if text else (config.modes or list(MODES))
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise CLIError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}")
+    return tuple(names)
+
+
+def resolve(args: argparse.Namespace, out: Output) -> DryRun:
+    """Read the options and configs, build the model on the meta device; every user error is a :class:`CLIError`."""
+    config = read_configs(args.config)
+    world_size = args.world_size or config.world_size
+    if not world_size or world_size < 1:
+        raise CLIError("give --world-size N (the number of GPUs), or a config whose trainer.devices is a number")
+    precision_flag = args.precision or config.precision or "32-true"
+    if precision_flag not in _PRECISIONS:
+        raise CLIError(
+            f"precision {precision_flag!r} is not supported by the dry run; use one of {', '.join(_PRECISIONS)}"
+        )
+    precision = _PRECISIONS[precision_flag]
+    if args.hardware and args.hardware_profile:
+        raise CLIError("give --hardware or --hardware-profile, not both")
+    if args.hardware:
+        figures = get_hardware(args.hardware).figures(world_size, precision)
+    elif args.hardware_profile:
+        figures = hardware_from_file(args.hardware_profile, world_size)
+    else:
+        raise CLIError(f"give --hardware NAME (known: {', '.join(HARDWARE)}) or --hardware-profile FILE")
+    memory = args.memory if args.memory is not None else config.memory_budget
+    try:
+        if memory is not None:
+            budget, budget_source = parse_memory_budget(memory), "given"
+        elif figures.memory_bytes:
+            budget = figures.memory_bytes - CUDA_RESERVE_BYTES
+            budget_source = f"the GPU's {format_bytes(figures.memory_bytes)} less {format_bytes(CUDA_RESERVE_BYTES)}"
+        else:
+            raise CLIError("give --memory (the per-device budget): the hardware profile does not say the GPU's memory")
+    except ValueError as err:
+        raise CLIError(f"--memory: {err}") from None
+    spec = _model_spec(args, config, out)
+    init_args = {**config.init_args, **parse_init_args(args.init_args, args.init_arg)}
+    cls = import_object(spec)
+    with out.step(f"building {getattr(cls, '__name__', spec)} on the meta device"):
+        model = build_on_meta(cls, init_args)
+    source = batch_source(args.batch, model)
+    batch_size = args.batch_size or config.batch_size or source.default_size
+    if not batch_size or batch_size < 1:
+        raise CLIError("give --batch-size N (per device, at least 1), or a config with data.batch_size")
+    optimizer, optimizer_note = _optimizer(args.optimizer, model)
+    max_split = args.max_split if args.max_split is not None else (config.max_split or 8)
+    if max_split < 1:
+        raise CLIError(f"--max-split must be at least 1, got {max_split}")
+    return DryRun(
+        model=model,
+        model_name=type(model).__name__,
+        model_spec=spec,
+        init_args=init_args,
+        figures=figures,
+        world_size=world_size,
+        budget=budget,
+        budget_source=budget_source,
+        batch_size=batch_size,
+        batch=source,
+        precision=precision,
+        optimizer=optimizer,
+        optimizer_note=optimizer_note,
+        modes=_modes(args.modes, config),
+        max_split=max_split,
+        time_limit=args.time_limit,
+    )
+
+
+def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
+    plugin = _precision_plugin(run.precision)
+    model = plugin.convert_module(run.model) if run.precision.endswith("-true") else run.model
+    profiles = []
+    for size in (run.batch_size, 2 * run.batch_size):
+        with out.step(f"profiling {run.model_name} at batch {size} (fake tensors, estimated)"):
+            profiles.append(
+                estimated_profile(
+                    model,
+                    run.batch.make(size),
+                    run.figures,
+                    step=run.batch.step,
+                    optimizer=run.optimizer,
+                    step_context=plugin.train_step_context,
+                    batch_source=run.batch.description,
+                )
+            )
+    return BatchScaledProfile(profiles[0], run.batch_size, profiles[1], 2 * run.batch_size)
+
+
+def _solve(run: DryRun, profile: ModelProfile) -> Plan:
+    return solve(
+        profile, run.budget, run.world_size, modes=run.modes, max_split=run.max_split, time_limit=run.time_limit
+    )
+
+
+def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]:
+    def fits(batch_size: int) -> bool:
+        minimum = minimum_budget(
+            scaled.at(batch_size), run.world_size, modes=run.modes, max_split=run.max_split, time_limit=run.time_limit
+        )
+        return minimum <= run.budget
+
+    return fits
+
+
+def _infeasible(run: DryRun, err: InfeasibleBudgetError, scaled: BatchScaledProfile, out: Output) -> CLIError:
+    with out.step("searching the largest batch any plan fits"):
+        largest = largest_batch(_fits_osdp(run, scaled), limit=run.batch_size - 1) if run.batch_size > 1 else 0
+    hint = f"; the largest per-device batch any plan fits is {largest}" if largest else ""
+    return CLIError(
+        f"no plan fits the budget of {format_bytes(run.budget)} per device on {run.world_size} ranks at batch "
+        f"{run.batch_size}: the minimum budget is {format_bytes(err.minimum)} ({err.minimum} bytes){hint}; "
+        "raise --memory, add ranks or lower --batch-size"
+    )
+
+
+def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: bool = True) -> list[StrategyFigures]:
+    """OSDP's plan and the uniform baselines at the requested batch size, and (``search``) each one's largest
+    batch size under the budget. Raises :class:`CLIError` when no plan fits at the requested batch size."""
+    profile = scaled.at(run.batch_size)
+    infeasible: InfeasibleBudgetError | None = None
+    with out.step(f"solving the OSDP plan under {format_bytes(run.budget)} per device"):
+        try:
+            osdp_plan = _solve(run, profile)
+        except InfeasibleBudgetError as err:
+            infeasible = err
+    if infeasible is not None:  # outside the step above: one progress display at a time
+        raise _infeasible(run, infeasible, scaled, out) from None
+    rows = [StrategyFigures("OSDP", osdp_plan, predict(profile, osdp_plan, run.world_size))]
+    for name, mode in BASELINES:
+        plan = Plan.uniform(run.model, mode)
+        plan.info["source"] = f"uniform {mode} ({name})"
+        rows.append(StrategyFigures(name, plan, predict(profile, plan, run.world_size)))
+    if not search:
+        return rows
+    with out.step("searching the largest batch size under the budget for each strategy"):
+        for row in rows:
+            fits = _fits_osdp(run, scaled) if row.name == "OSDP" else _fits_plan(run, scaled, row.plan)
+            row.max_batch = largest_batch(fits)
+            if row.max_batch:
+                at_max = scaled.at(row.max_batch)
+                plan = _solve(run, at_max) if row.name == "OSDP" else row.plan
+                row.max_batch_seconds = predict(at_max, plan, run.world_size).step_seconds
+    return rows
+
+
+def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[[int], bool]:
+    return lambda b: predict(scaled.at(b), plan, run.world_size).peak_bytes <= run.budget
+
+
+def _rate(batch_size: int, world_size: int, seconds: float | None) -> str:
+    return f"{batch_size * world_size / seconds:,.1f}" if seconds else "-"
+
+
+def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[str]]:
+    table = []
+    for row in rows:
+        p = row.prediction
+        fits = p.peak_bytes <= run.budget
+        modes = (
+            row.plan.summary().partition(": ")[2].rstrip(")")
+            if row.name == "OSDP"
+            else f"all {row.plan.decisions[''].mode}"
+        )
+        if row.max_batch is None:
+            largest, at_max, rate = "-", "-", "-"
+        elif row.max_batch == 0:
+            largest, at_max, rate = "none", "-", "-"
+        else:
+            largest = str(row.max_batch)
+            at_max = f"{row.max_batch_seconds * 1e3:,.1f}" if row.max_batch_seconds else "-"
+            rate = _rate(row.max_batch, run.world_size, row.max_batch_seconds)
+        table.append(
+            [
+                row.name,
+                modes,
+                format_bytes(p.peak_bytes),
+                "yes" if fits else "no",
+                f"{p.step_seconds * 1e3:,.1f}",
+                _rate(run.batch_size, run.world_size, p.step_seconds) if fits else "-",
+                largest,
+                at_max,
+                rate,
+            ]
+        )
+    return table
+
+
+def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigures], out: Output) -> None:
+    profile = scaled.at(run.batch_size)
+    params = sum(m.param_count for m in profile.modules.values())
+    param_bytes = sum(m.param_bytes for m in profile.modules.values())
+    batch = ", ".join(f"{t['dtype']}{t['shape']}" for t in profile.batch.get("tensors", []))
+    out.print(
+        f"Dry run of {run.model_name} ({run.model_spec}): {params / 1e9:.2f}B parameters "
+        f"({format_bytes(param_bytes)}), optimizer {profile.optimizer or 'none'} ({run.optimizer_note})"
+    )
+    out.print(f"on {run.figures.description}")
+    out.print(f"budget {format_bytes(run.budget)} per device ({run.budget_source}); precision {run.precision}")
+    out.print(f"batch {run.batch_size} per device: {batch}, {run.batch.description}")
+    out.print("")
+    osdp = rows[0]
+    out.print(format_plan(osdp.plan, osdp.prediction, budget=run.budget, rich_markup=out.rich))
+    out.print("")
+    headers = [
+        "strategy",
+        "modes",
+        "peak/device",
+        "fits",
+        "step ms",
+        "samples/s",
+        "max batch",
+        "step ms @max",
+        "samples/s @max",
+    ]
+    searched = rows[0].max_batch is not None
+    notes = [
+        f"samples/s: over all {run.world_size} ranks."
+        + (
+            " max batch: the largest per-device batch whose predicted peak fits the budget (OSDP re-planned at "
+            f"each size); all figures are affine in the batch size, profiled at {scaled.low_batch} and "
+            f"{scaled.high_batch} and interpolated."
+            if searched
+            else ""
+        ),
+        "Times are estimates from FLOPs, bytes and the hardware figures (approximations, see "
+        "lightning_osdp/cli/hardware.py); memory comes from the traced step and the cost model.",
+    ]
+    out.table(
+        f"Per device at batch {run.batch_size}, budget {format_bytes(run.budget)}",
+        headers,
+        _comparison_rows(run, rows),
+        right=[2, 4, 5, 6, 7, 8],
+        notes=notes,
+    )
+
+
+def _save(run: DryRun, scaled: BatchScaledProfile, plan: Plan, path: str, out: Output) -> None:
+    plan.info["dry_run"] = {
+        "model": run.model_spec,
+        "init_args": {
+            k: v for k, v in run.init_args.items() if isinstance(v, (int, float, str, bool, list, type(None)))
+        },
+        "hardware": run.figures.name,
+        "world_size": run.world_size,
+        "batch_size": run.batch_size,
+        "precision": run.precision,
+    }
+    saved = plan.save(path)
+    # Beside the plan, under the name the strategy uses (osdp_plan.json -> osdp_plan.profile.json), so that
+    # `osdp show` finds it.
+    profile_path = scaled.at(run.batch_size).save(saved.with_name(saved.stem + ".profile.json"))
+    out.print(f"\nsaved the plan to {saved} and its profile to {profile_path}")
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    """Run ``osdp plan``; returns the exit status."""
+    start = time.perf_counter()
+    dry = resolve(args, out)
+    scaled = _profiles(dry, out)
+    rows = compare(dry, scaled, out, search=not args.no_search)
+    _report(dry, scaled, rows, out)
+    if args.out:
+        _save(dry, scaled, rows[0].plan, args.out, out)
+    out.note(f"dry run took {time.perf_counter() - start:.1f} s")
+    return 0

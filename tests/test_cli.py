@@ -1,0 +1,416 @@
+"""The ``osdp`` command as users run it: ``plan`` (dry runs), ``show``, ``consolidate``, ``hardware``.
+
+Commands run in this process through ``lightning_osdp.cli.main([...])`` with stdout and stderr captured (so they
+are not terminals: plain-text tables, plain progress lines); one test runs the module entry point in a fresh
+interpreter. The 1.3B-parameter dry run and the checkpoint round trip are ``slow`` (seconds, not minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import ROOT, child_env
+from models import TinyGPT, loaders
+
+from lightning_osdp import OSDPStrategy, Plan
+from lightning_osdp.cli import main
+from lightning_osdp.cli.batch import batch_source
+from lightning_osdp.cli.errors import CLIError
+from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile, largest_batch
+from lightning_osdp.cli.hardware import (
+    COLLECTIVE_LAUNCH_SECONDS,
+    HARDWARE,
+    INFINIBAND_8X_HDR,
+    NVLINK3_NVSWITCH,
+    get_hardware,
+    hardware_from_file,
+)
+from lightning_osdp.cli.model import build_on_meta, discover_cli_model, import_object, read_configs
+from lightning_osdp.cli.output import Output, plain_table
+
+GPT_FILE = ROOT / "examples" / "gpt" / "gpt.py"
+GPT_CONFIG = ROOT / "examples" / "gpt" / "configs" / "osdp_budget.yaml"
+# GPT-2 XL's shape with a 2048-wide residual stream: 1.31B parameters.
+GPT_1_3B = {"width": 2048, "depth": 24, "heads": 16, "context_length": 1024, "vocab_size": 50304}
+GIB = 2**30
+
+
+def osdp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run ``osdp ARGV`` in this process: (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def comparison(stdout: str) -> dict[str, list[str]]:
+    """The rows of ``osdp plan``'s strategy comparison, by strategy name (plain-text columns)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
+    headers = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 2 :]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(headers):
+            break
+        rows[cells[0]] = cells
+    assert set(rows) == {"OSDP", "DDP", "ZeRO-2", "FSDP"}, rows
+    return {name: dict(zip(headers, cells, strict=True)) for name, cells in rows.items()}  # type: ignore[misc]
+
+
+def gib(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * {"GiB": 1, "MiB": 2**-10, "KiB": 2**-20}[unit]
+
+
+# ============================================================================================== osdp plan
+@pytest.mark.slow
+def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    start = time.perf_counter()
+    code, out, err = osdp(
+        capsys,
+        "plan",
+        "--model",
+        f"{GPT_FILE}:GPTModule",
+        "--init-args",
+        json.dumps(GPT_1_3B),
+        "--world-size",
+        8,
+        "--memory",
+        "24GiB",
+        "--hardware",
+        "rtx4090-pcie",
+        "--batch-size",
+        4,
+    )
+    elapsed = time.perf_counter() - start
+    assert code == 0, err
+    assert elapsed < 60, f"the dry run took {elapsed:.0f} s"
+    assert "1.31B parameters" in out and "8 x NVIDIA GeForce RTX 4090" in out
+    assert "OSDP plan: Plan(" in out and "predicted peak" in out
+    rows = comparison(out)
+    # DDP keeps 16 bytes per parameter (fp32 weights and gradients, AdamW's two moments): 19.6 GiB before a single
+    # activation, plus the activations of 4 x 1024 tokens through 24 blocks.
+    state = 1.31e9 * 16 / GIB
+    ddp, fsdp, osdp_row, zero2 = rows["DDP"], rows["FSDP"], rows["OSDP"], rows["ZeRO-2"]
+    assert gib(ddp["peak/device"]) > max(state, 24) and ddp["fits"] == "no" and ddp["max batch"] == "none"
+    # FSDP shards that state 8 ways (2.4 GiB); what remains is mostly activations.
+    assert gib(fsdp["peak/device"]) < 24 and fsdp["fits"] == "yes"
+    assert osdp_row["fits"] == "yes" and gib(osdp_row["peak/device"]) <= 24
+    for row in (fsdp, osdp_row, zero2):
+        assert row["max batch"].isdigit() and int(row["max batch"]) >= 1
+    # Whatever fits at batch 4 fits a batch at least that large; OSDP can always fall back to FSDP's choice.
+    assert int(fsdp["max batch"]) >= 4 and int(osdp_row["max batch"]) >= int(fsdp["max batch"])
+    # OSDP is never predicted slower than a baseline that fits (same cost model, larger choice).
+    assert float(osdp_row["step ms"].replace(",", "")) <= float(fsdp["step ms"].replace(",", "")) * 1.001
+    assert "\x1b[" not in out, "captured output is not a terminal: plain text"
+
+
+def test_a_budget_no_plan_fits_exits_2_with_the_minimum_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = osdp(capsys, "plan", "--config", GPT_CONFIG, "--memory", "1MiB", "--hardware", "l4-pcie")
+    assert code == 2 and out == ""
+    message = [line for line in err.splitlines() if line.startswith("osdp: error:")]
+    assert len(message) == 1 and "Traceback" not in err
+    found = re.search(r"the minimum budget is [\d.]+ MiB \((\d+) bytes\)", message[0])
+    assert found, message[0]
+    # The config's model: 3.2M parameters (12.4 MiB in fp32) whose 16 bytes per parameter of state shard 2 ways,
+    # plus 8 x 64 tokens of activations: tens of MiB, not one.
+    assert 25 * 2**20 < int(found.group(1)) < 200 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--hardware", "tpu-v9"], "unknown hardware 'tpu-v9'; known: a100-80g-nvlink, a100-40g-nvlink, h100-sxm"),
+        (["--hardware", "l4-pcie", "--memory", "lots"], "cannot parse memory budget 'lots'"),
+        (["--hardware", "l4-pcie", "--model", "no/such/file.py:Model"], "model file 'no/such/file.py' does not exist"),
+        (
+            ["--hardware", "l4-pcie", "--model", "no_such_package.models:GPT"],
+            "module 'no_such_package.models' not found",
+        ),
+        (
+            ["--hardware", "l4-pcie", "--model", f"{GPT_FILE}:GPTT"],
+            "has no 'GPTT' (did you mean 'GPT'?); it defines: Block, CausalSelfAttention, GPT, GPTModule, MLP",
+        ),
+        (["--hardware", "l4-pcie", "--model", f"{GPT_FILE}:GPTModule", "--init-arg", "depthh=2"], "unexpected keyword"),
+        (["--hardware", "rtx4090-pcie", "--world-size", "16"], "one machine of 8 GPUs; world size 16 needs 2"),
+        (["--hardware", "l4-pcie", "--batch", "int64:8xB"], "cannot read the shape in batch spec"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    base = ["plan", "--world-size", "2"] if "--world-size" not in argv else ["plan"]
+    model = [] if "--model" in argv else ["--model", f"{GPT_FILE}:GPTModule"]
+    code, _, err = osdp(capsys, *base, *model, *argv)
+    errors = [line for line in err.splitlines() if line.startswith("osdp: error:")]
+    assert code == 2 and len(errors) == 1, err
+    assert message in errors[0] and "Traceback" not in err
+
+
+def test_plan_reads_a_lightningcli_config_and_finds_the_model_class_in_its_script() -> None:
+    config = read_configs([GPT_CONFIG])
+    assert (config.model, config.world_size, config.batch_size, config.precision) == (None, 2, 8, "32-true")
+    assert config.memory_budget == "80MiB" and config.init_args["width"] == 256
+    found = discover_cli_model(GPT_CONFIG)
+    assert found is not None and found[0] == f"{GPT_FILE}:GPTModule" and found[1].endswith("train.py")
+    # A later config overrides the earlier one, argument by argument.
+    later = read_configs([GPT_CONFIG, ROOT / "examples" / "gpt" / "configs" / "model_10m.yaml"])
+    assert later.init_args["width"] == 384 and later.init_args["lr_schedule"] == "cosine"
+
+
+def test_the_batch_comes_from_a_spec_a_function_or_the_model() -> None:
+    model = build_on_meta(import_object(f"{GPT_FILE}:GPTModule"), {"context_length": 32})
+    assert next(model.parameters()).is_meta
+    tokens = batch_source(None, model)
+    assert tokens.step == "training_step" and tokens.make(3).shape == (3, 33)
+    pair = batch_source("float32:8x3x16x16,int64:8", model)
+    images, labels = pair.make(5)
+    assert pair.default_size == 8 and images.shape == (5, 3, 16, 16) and labels.dtype == torch.int64
+    assert images.is_meta, "a batch of any size costs no memory"
+    with pytest.raises(CLIError, match="must take the per-device batch size"):
+        batch_source("operator:add", model)
+
+
+def test_batch_scaled_profile_equals_a_profile_made_at_that_batch_size() -> None:
+    model = build_on_meta(import_object(f"{GPT_FILE}:GPTModule"), {"context_length": 32, "lr_schedule": "constant"})
+    figures = get_hardware("a100-80g-nvlink").figures(8, "32-true")
+    source = batch_source(None, model)
+    at = {b: estimated_profile(model, source.make(b), figures) for b in (2, 4, 7)}
+    scaled = BatchScaledProfile(at[2], 2, at[4], 4).at(7)
+    assert at[7].info["rates"] == figures.rates.to_dict(), "the target's rates, not this CPU's"
+    assert at[7].device.startswith("cuda") and at[7].world_size == 8
+    for name, direct in at[7].modules.items():
+        got = scaled.modules[name]
+        assert got.activation_bytes == direct.activation_bytes, name
+        assert got.output_bytes == direct.output_bytes and got.fwd_flops == direct.fwd_flops, name
+        assert got.param_bytes == direct.param_bytes and got.optim_state_bytes == direct.optim_state_bytes, name
+        assert got.fwd_seconds == pytest.approx(direct.fwd_seconds, rel=1e-9, abs=1e-15), name
+        assert got.bwd_seconds == pytest.approx(direct.bwd_seconds, rel=1e-9, abs=1e-15), name
+    assert scaled.extra_activation_bytes == at[7].extra_activation_bytes
+    assert scaled.step_overhead_seconds == pytest.approx(at[7].step_overhead_seconds, rel=1e-9)
+    assert scaled.batch["tensors"][0]["shape"] == [7, 33]
+
+
+def test_largest_batch_search() -> None:
+    calls: list[int] = []
+
+    def fits(b: int) -> bool:
+        calls.append(b)
+        return b <= 37
+
+    assert largest_batch(fits) == 37 and len(calls) <= 14
+    assert largest_batch(lambda b: False) == 0
+    assert largest_batch(lambda b: True, limit=100) == 100
+
+
+def test_ring_collective_figures() -> None:
+    link = NVLINK3_NVSWITCH
+    fits = get_hardware("a100-80g-nvlink").figures(8, "bf16-mixed").collectives
+    size = 2**30
+    # Ring all-reduce on 8 GPUs: 2 x 7/8 of the buffer through each GPU at the bus bandwidth, 14 ring steps.
+    want = COLLECTIVE_LAUNCH_SECONDS + 14 * link.hop_seconds + 2 * 7 / 8 * size / link.bus_bytes_per_second
+    assert fits["all_reduce"].seconds(size) == pytest.approx(want)
+    assert fits["all_gather"].seconds(size) == pytest.approx(
+        COLLECTIVE_LAUNCH_SECONDS + 7 * link.hop_seconds + 7 / 8 * size / link.bus_bytes_per_second
+    )
+    # 16 GPUs are two nodes: the ring runs at the network's bus bandwidth.
+    two_nodes = get_hardware("a100-80g-nvlink").figures(16, "bf16-mixed").collectives["all_gather"]
+    assert two_nodes.beta_bytes_per_second == pytest.approx(INFINIBAND_8X_HDR.bus_bytes_per_second * 16 / 15)
+    # Precision picks the matmul rate: tensor cores for half precision, FP32 units for 32-true.
+    a100 = HARDWARE["a100-80g-nvlink"]
+    half = a100.figures(8, "bf16-mixed").rates.matmul_flops_per_second
+    single = a100.figures(8, "32-true").rates.matmul_flops_per_second
+    assert half / single == pytest.approx(312 / 19.5)
+
+
+def test_hardware_lists_every_built_in_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = osdp(capsys, "hardware", "--world-size", 8)
+    assert code == 0
+    for name in HARDWARE:
+        assert re.search(rf"^{re.escape(name)}\s", out, re.M), name
+    assert "Approximations, not measurements" in out
+
+
+# ============================================================================================== osdp show
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``osdp plan --out`` on the GPT example's budget config (3.2M parameters) on 2 L4s: the plan file."""
+    path = tmp_path_factory.mktemp("plan") / "osdp_plan.json"
+    code = main(
+        [
+            "-q",
+            "plan",
+            "--config",
+            str(GPT_CONFIG),
+            "--memory",
+            "50MiB",
+            "--hardware",
+            "l4-pcie",
+            "--batch-size",
+            "4",
+            "--no-search",
+            "--out",
+            str(path),
+        ]
+    )
+    assert code == 0
+    return path
+
+
+def test_show_a_plan_file_with_its_profile(capsys: pytest.CaptureFixture[str], small_plan: Path) -> None:
+    path = small_plan
+    plan = Plan.load(path)
+    assert path.with_name("osdp_plan.profile.json").is_file()
+    assert plan.info["dry_run"]["hardware"] == "l4-pcie" and plan.info["dry_run"]["batch_size"] == 4
+    code, out, err = osdp(capsys, "show", path)
+    assert code == 0, err
+    assert f"{path}: {plan.summary()}" in out and "2 ranks, budget 50.00 MiB per device" in out
+    # The profile beside the plan gives the same prediction the solver made.
+    peak = re.search(r"predicted peak ([\d.]+ MiB) of budget 50.00 MiB", out)
+    assert peak and gib(peak.group(1)) * GIB == pytest.approx(plan.info["predicted_peak_bytes"], rel=1e-3)
+    for name, decision in plan:
+        assert re.search(rf"^{re.escape(name or '<root>')}\s.*\s{decision.mode}\s", out, re.M), name
+
+
+def test_show_plot_needs_matplotlib_and_draws_with_it(
+    capsys: pytest.CaptureFixture[str],
+    small_plan: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = small_plan
+    with monkeypatch.context() as patched:
+        patched.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+        code, _, err = osdp(capsys, "show", path, "--plot", tmp_path / "missing.png")
+    assert code == 2 and 'pip install "lightning-osdp[plot]"' in err
+    pytest.importorskip("matplotlib")
+    code, _, err = osdp(capsys, "show", path, "--plot", tmp_path / "plan.png")
+    assert code == 0, err
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hardware_profile_file_reuses_measured_figures(small_plan: Path) -> None:
+    profile_path = small_plan.with_name("osdp_plan.profile.json")
+    l4 = get_hardware("l4-pcie").figures(2, "32-true")
+    same = hardware_from_file(profile_path, 2)
+    assert same.rates == l4.rates and same.copy_bytes_per_second == l4.copy_bytes_per_second
+    assert same.collectives["all_reduce"].beta_bytes_per_second == l4.collectives["all_reduce"].beta_bytes_per_second
+    # Measured on 2 ranks, used for 8: the ring's bus bandwidth carries over.
+    eight = hardware_from_file(profile_path, 8).collectives["all_gather"]
+    assert eight.beta_bytes_per_second == pytest.approx(
+        get_hardware("l4-pcie").figures(8, "32-true").collectives["all_gather"].beta_bytes_per_second
+    )
+
+
+def test_hardware_profile_from_a_measured_run_derives_its_rates(tmp_path: Path) -> None:
+    from lightning_osdp.profiling import profile
+
+    model = build_on_meta(import_object(f"{GPT_FILE}:GPTModule"), {"context_length": 32, "lr_schedule": "constant"})
+    model.to_empty(device="cpu")
+    measured = profile(model, torch.zeros(4, 33, dtype=torch.long), mode="measured", repeats=1)
+    path = measured.save(tmp_path / "measured.profile.json")
+    # No "rates" in a measured profile: the matmul rate is fitted to its modules' FLOPs and times.
+    rates = hardware_from_file(path, 1).rates
+    assert 1e8 < rates.matmul_flops_per_second < 1e14 and rates.memory_bytes_per_second > 0
+    # Measured without a process group: it says nothing about communication, so it cannot plan for 8 ranks.
+    with pytest.raises(CLIError, match="measured on one rank"):
+        hardware_from_file(path, 8)
+
+
+# ============================================================================================== checkpoints
+@pytest.mark.slow
+def test_show_and_consolidate_a_checkpoint_of_a_one_process_fit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    plan = Plan({"": "no_shard", "h.0": "full_shard", "h.1": "shard_grad_op", "h.2": "full_shard"})
+    model = TinyGPT()
+    trainer = L.Trainer(
+        strategy=OSDPStrategy(plan=plan),
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loaders()[0])
+    sharded = tmp_path / "step=3.ckpt"
+    trainer.save_checkpoint(sharded)
+    assert sharded.is_dir()
+    trained = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+    code, out, err = osdp(capsys, "show", sharded)
+    assert code == 0, err
+    assert f"{sharded}: {plan.summary()}" in out and "1 ranks" in out
+    for name, decision in plan:
+        assert re.search(rf"^{re.escape(name or '<root>')}\s+{decision.mode}\s+1$", out, re.M), name
+    assert "No profile was saved with this plan" in out
+
+    full = tmp_path / "model.ckpt"
+    code, out, err = osdp(capsys, "consolidate", sharded, full)
+    assert code == 0, err
+    assert out.startswith(f"wrote {full} (")
+    loaded = TinyGPT.load_from_checkpoint(full)
+    state = dict(loaded.named_parameters())
+    assert set(state) == set(trained)
+    assert all(torch.equal(state[k].detach(), trained[k]) for k in trained)
+    assert torch.load(full, weights_only=True, map_location="cpu")["global_step"] == 3
+    # The consolidated file carries the plan too.
+    code, out, _ = osdp(capsys, "show", full)
+    assert code == 0 and plan.summary() in out
+
+    code, _, err = osdp(capsys, "consolidate", tmp_path / "nothing.ckpt", tmp_path / "x.ckpt")
+    assert code == 2 and "does not exist" in err
+
+
+# ============================================================================================== entry point
+def test_module_entry_point_reports_errors_in_one_line() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_osdp.cli",
+            "plan",
+            "--model",
+            "x:Y",
+            "--world-size",
+            "8",
+            "--hardware",
+            "a100",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"osdp: error: unknown hardware 'a100'; known: {', '.join(HARDWARE)} (or --hardware-profile FILE)"
+    ]
+
+
+# ============================================================================================== output
+def test_tables_are_plain_text_when_piped_and_rich_on_a_terminal() -> None:
+    import io
+
+    assert plain_table(["a", "n"], [["x", "1"], ["yyy", "22"]], right=[1]) == "a     n\n-------\nx     1\nyyy  22"
+    buffer = io.StringIO()
+    Output(buffer).table("T", ["a", "n"], [["x", "1"]], right=[1])
+    assert "\x1b[" not in buffer.getvalue() and "─" not in buffer.getvalue()
+    buffer = io.StringIO()
+    Output(buffer, rich=True, width=40).table("T", ["a", "n"], [["x", "1"]], right=[1])
+    assert "─" in buffer.getvalue()
