@@ -209,6 +209,12 @@ def load_sharded_optimizer_state(
     metadata = _read_dcp_metadata(state.path)
     # The template of what to read; on an optimizer without state this runs a zero-gradient step to create it
     # (see `sharded_optimizer_state`), which the load below overwrites.
+    if not optimizer.state:
+        # That zero-gradient step only runs on parameters without gradients: gradients left by an earlier `fit` of
+        # the same model would leave the template empty. Loading replaces the state anyway; drop them.
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
     target: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizer))
     expected: dict[str, set[str]] = {}
     for name, entry in target["state"].items():
