@@ -46,7 +46,7 @@ from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp.apply import OSDPModule, apply_plan
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
-from lightning_osdp.plan import MODES, Plan
+from lightning_osdp.plan import MODES, Plan, PlanError
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.step_monitor import StepMonitor
 
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = ["OSDPStrategy"]
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_ROOT_ATTRIBUTE = "_osdp_root"
 
 
 class OSDPStrategy(ParallelStrategy):
@@ -255,9 +256,19 @@ class OSDPStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._root is not None and self._root.module is self.lightning_module:
-            # `trainer.validate/test` after `fit`: Lightning re-connects the bare LightningModule; it is sharded.
-            self.model = self._root
+        module = self.lightning_module
+        assert module is not None
+        existing: OSDPModule | None = getattr(module, _ROOT_ATTRIBUTE, None)
+        if existing is not None:
+            # The module was sharded by an earlier `fit` (this Trainer's, whose `validate/test` re-connects the bare
+            # LightningModule, or another Trainer's): FSDP2 applies once per module, so the plan stays.
+            if self._plan is not None and self._plan.decisions != existing.plan.decisions:
+                raise PlanError(
+                    "this LightningModule is already sharded under another plan (by an earlier fit); FSDP2 shards a "
+                    "module once: build a fresh instance (and load a checkpoint into it) to train under a new plan"
+                )
+            self._root, self._plan = existing, existing.plan
+            self.model = existing
         else:
             if self._memory_budget is None:
                 self._memory_budget = device_memory_capacity(self.root_device, self.num_processes)
@@ -265,12 +276,14 @@ class OSDPStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model.to(self.root_device)
             plan = self._resolve_plan(trainer)
-            assert self.lightning_module is not None
-            self._root = apply_plan(self.lightning_module, plan, mesh=self.device_mesh)
+            self._root = apply_plan(module, plan, mesh=self.device_mesh)
+            # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
+            object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
             self.model = self._root
             self._plan = plan
-            self._monitor = StepMonitor(self.root_device, memory_steps=self._memory_steps)
             self._report_plan(plan)
+        if self._monitor is None:
+            self._monitor = StepMonitor(self.root_device, memory_steps=self._memory_steps)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # Optimizers are built after sharding, so they hold the DTensor shards.

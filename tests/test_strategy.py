@@ -141,3 +141,20 @@ def test_measured_step_time_and_peak_memory_reach_the_logger(tmp_path: Path) -> 
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert peaks and strategy.peak_memory_bytes == max(peaks)
     assert strategy.peak_memory_bytes > 4 * param_bytes
+
+
+def test_a_sharded_module_can_be_fitted_again_by_any_trainer(tmp_path: Path) -> None:
+    """Notebook flow: fit, save, fit again (same or new Trainer, with the checkpoint); another plan is refused."""
+    model = TinyGPT()
+    train, _ = loaders()
+    plan = Plan({"": "no_shard", "h.0": "full_shard"})
+    first = _trainer(OSDPStrategy(plan=plan))
+    first.fit(model, train)
+    first.save_checkpoint(tmp_path / "step2.ckpt")
+    first.fit(model, train, ckpt_path=tmp_path / "step2.ckpt")  # stale gradients must not confuse the resume
+    second = _trainer(OSDPStrategy(plan=plan), max_steps=3)
+    second.fit(model, train, ckpt_path=tmp_path / "step2.ckpt")
+    assert second.global_step == 3 and len(model.losses) == 3
+    assert second.strategy.plan is first.strategy.plan
+    with pytest.raises(PlanError, match="already sharded under another plan"):
+        _trainer(OSDPStrategy(plan=Plan({"": "full_shard"}))).fit(model, train)

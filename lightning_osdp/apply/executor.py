@@ -47,11 +47,13 @@ class _RootUnit(nn.Module):
 
 
 class OSDPModule(nn.Module):
-    """The FSDP2 root around a LightningModule (see [Note: the wrapper root]). ``.module`` is the model."""
+    """The FSDP2 root around a LightningModule (see [Note: the wrapper root]). ``.module`` is the model,
+    ``.plan`` the plan applied to it."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, plan: Plan) -> None:
         super().__init__()
         self.root_unit = _RootUnit(module)
+        self.plan = plan
 
     @property
     def module(self) -> nn.Module:
@@ -169,7 +171,7 @@ def apply_plan(
     for unit in units:
         targets = [module.get_submodule(n) for n in unit.names]
         _shard(targets if len(targets) > 1 else targets[0], unit.mode, kwargs)
-    root = OSDPModule(module)
+    root = OSDPModule(module, plan)
     root_mode = plan.decisions[ROOT].mode if ROOT in plan.decisions else "no_shard"
     _shard(root.root_unit, root_mode, kwargs)
     fully_shard(root, reshard_after_forward=False, **kwargs)
