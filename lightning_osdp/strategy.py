@@ -346,7 +346,7 @@ class OSDPStrategy(ParallelStrategy):
                 )
                 outcome = (solved, None)
             except Exception as err:  # every rank must raise it, not wait for a plan that never comes
-                outcome = (None, err)
+                outcome = (None, _transportable(err))
         plan, error = self.broadcast(outcome)
         if error is not None:
             raise error
@@ -607,3 +607,14 @@ def _fit_ckpt_path() -> str | None:
             return str(path) if path else None
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def _transportable(error: Exception) -> Exception:
+    """``error`` itself if it survives pickling (it is broadcast to every rank), else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
