@@ -35,7 +35,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -53,10 +53,14 @@ from lightning_osdp.step_monitor import StepMonitor
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_osdp.cost_model import PredictionCheck
+
 __all__ = ["OSDPStrategy"]
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _ROOT_ATTRIBUTE = "_osdp_root"
+# Step 0 builds the optimizer state and runs lazy init: the check uses the median of the steps after it.
+_CHECK_AFTER_STEPS = 4
 
 
 class OSDPStrategy(ParallelStrategy):
@@ -132,6 +136,7 @@ class OSDPStrategy(ParallelStrategy):
         self._plan_out = plan_out
         self._solver_time_limit = solver_time_limit
         self._profile: ModelProfile | None = None
+        self._prediction_check: PredictionCheck | None = None
         if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
             raise TypeError(f"plan must be a lightning_osdp.Plan or a plan file path, got {type(plan).__name__}")
         self._plan: Plan | None = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan else None)
@@ -162,6 +167,11 @@ class OSDPStrategy(ParallelStrategy):
     def profile(self) -> ModelProfile | None:
         """The model profile the plan was solved from (``None`` when a plan was given)."""
         return self._profile
+
+    @property
+    def prediction_check(self) -> PredictionCheck | None:
+        """The plan's predicted peak memory and step time against rank 0's measured ones, after the first steps."""
+        return self._prediction_check
 
     @property
     def monitor(self) -> StepMonitor | None:
@@ -429,6 +439,32 @@ class OSDPStrategy(ParallelStrategy):
                 metrics["osdp/peak_memory_bytes"] = float(measurement.peak_memory_bytes)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+        if measurement.step + 1 == _CHECK_AFTER_STEPS:
+            self._check_prediction(trainer)
+
+    def _check_prediction(self, trainer: pl.Trainer) -> None:
+        """Once, after the first steps: the plan's predicted peak memory and step time against the measured ones
+        (logged and printed; a large miss is a warning naming what the prediction was made of)."""
+        if self._profile is None or self._plan is None or self._monitor is None:
+            return  # a plan given by hand has no prediction to check
+        from lightning_osdp.cost_model import predict
+
+        prediction = predict(self._profile, self._plan, self.world_size)
+        self._prediction_check = check = prediction.check(
+            self._monitor.peak_memory_bytes, self._monitor.step_time(skip=1)
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics(
+                {
+                    "osdp/predicted_peak_memory_bytes": float(prediction.peak_bytes),
+                    "osdp/predicted_step_time_s": prediction.step_seconds,
+                },
+                step=trainer.global_step,
+            )
+        if check.ok:
+            rank_zero_info(f"OSDP: prediction held on rank 0: {check.message}")
+        else:
+            rank_zero_warn(f"OSDP: the cost model missed on rank 0: {check.message}")
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -158,3 +158,21 @@ def test_a_sharded_module_can_be_fitted_again_by_any_trainer(tmp_path: Path) -> 
     assert second.strategy.plan is first.strategy.plan
     with pytest.raises(PlanError, match="already sharded under another plan"):
         _trainer(OSDPStrategy(plan=Plan({"": "full_shard"}))).fit(model, train)
+
+
+def test_automatic_plan_is_checked_against_the_measured_step(tmp_path: Path) -> None:
+    """No plan given: profile, solve, apply, train; after the first steps the prediction meets the measurement."""
+    model = TinyGPT()
+    train, _ = loaders()
+    strategy = OSDPStrategy(memory_budget="1GiB", plan_out=tmp_path / "plan.json")
+    _trainer(strategy, max_steps=5).fit(model, train)
+    assert strategy.profile is not None and strategy.plan is not None
+    assert strategy.plan.info["status"] == "optimal"
+    # An ample budget on one rank: nothing to shard for, and every unit replicated.
+    assert {d.mode for d in strategy.plan.decisions.values()} == {"no_shard"}
+    assert Plan.load(tmp_path / "plan.json").decisions == strategy.plan.decisions
+    assert (tmp_path / "plan.profile.json").exists()
+    check = strategy.prediction_check
+    assert check is not None and check.memory_ratio is not None and check.time_ratio is not None
+    # Memory is predicted within the issue's 10% (time depends on the machine's load; see the benchmark).
+    assert abs(check.memory_ratio - 1) <= 0.10, check.message
