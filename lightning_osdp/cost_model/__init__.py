@@ -1,0 +1,79 @@
+"""The cost model: a plan's per-device peak memory and step time, predicted from a profile.
+
+It models what the executor runs (``lightning_osdp/apply/executor.py``) and what FSDP2 allocates for it
+(``torch/distributed/fsdp/_fully_shard``, torch 2.13), on rank 0 (which holds the largest padded shards), for
+one optimizer step as ``lightning_osdp.memory`` measures it: from the start of the step (the model, last step's
+gradients and the optimizer state are live) to the end of ``optimizer_step``.
+
+Memory
+------
+Each decided module is one FSDP2 unit covering the parameters no decided descendant covers (a ``split=k``
+Linear is ``k`` units, one per slice; tied holders in different units are one list group). Per unit, with
+``P`` its parameters, FSDP2 pads dim 0 to a multiple of the world size ``N`` (``shard(P) = ceil(rows/N) * row``):
+
+=================  =============================  =============================  ==========================
+                   ``no_shard`` (replicate)       ``shard_grad_op``              ``full_shard``
+=================  =============================  =============================  ==========================
+kept all step      ``P`` + opt(``P``)             ``shard(P)`` + opt(shard)      ``shard(P)`` + opt(shard)
+gradient kept      ``P``                          ``shard(P)``                   ``shard(P)``
+gathered           ``P`` copy, forward->backward  ``N*shard(P)``, fwd->bwd       ``N*shard(P)``, own fwd, own bwd
+all-gather buffer  none                           ``N*shard(P)``                 ``N*shard(P)``
+reduction          input ``P``, output ``P``      input ``N*shard(P)``           input ``N*shard(P)``
+=================  =============================  =============================  ==========================
+
+The step is walked as a timeline of instants (``timeline.py``); the predicted peak is the largest:
+
+1. **Start**: every unit's kept parameters and optimizer state, and last step's sharded gradients.
+2. **Forward**, units in forward order (global units first: the root ``""``, whose FSDP2 group encloses the whole
+   step, and tied groups). A gather allocates the all-gather output, frees the output kept for the previous
+   gather, then allocates the unsharded parameters (FSDP2 keeps each forward all-gather output until the next
+   unit's copy-out). Each module adds the activations it saves for backward, and its output is live while it
+   finishes. A ``full_shard`` unit frees its parameters after its forward; ``shard_grad_op`` and ``no_shard``
+   keep them until their backward.
+3. **Loss**: the loss's saved activations and the model's output; then ``zero_grad`` frees last step's
+   gradients (Lightning calls it after ``training_step``, before ``backward``).
+4. **Backward**, in reverse: a ``full_shard`` unit is gathered again (its all-gather output freed right after
+   the copy-out); FSDP2 prefetches the previous unit's all-gather meanwhile. Each module's backward produces
+   its parameters' unsharded gradients, holds its output gradient and input gradient, then frees its
+   activations. After a unit's backward its parameters are freed (all modes), the previous reduce-scatter
+   input is dropped, a new input is allocated, the unsharded gradients freed, and the sharded gradient
+   allocated. Units that take the model's raw input (and global units) are reduced in the root's final
+   callback, after the whole backward.
+5. **Optimizer step**: temporaries of the largest local parameter (single-tensor Adam: 2x).
+
+Time
+----
+``step = compute + sum over units (exposed communication + copies + optimizer + overhead)``, where
+
+* ``compute`` is the profiled forward and backward time of every module plus the step's constant overhead
+  (the profile's step overhead less its optimizer step, which is modelled per unit);
+* communication per unit comes from the profile's ``alpha + bytes / beta`` fits: ``full_shard`` 2 all-gathers
+  and a reduce-scatter, ``shard_grad_op`` 1 all-gather and a reduce-scatter, ``no_shard`` an all-reduce of the
+  gradients; a ``split=k`` Linear pays ``k`` calls of about ``1/k`` of the bytes;
+* exposed communication is ``max(0, communication - overlap * compute of the unit's modules)``: FSDP2 prefetches
+  the next all-gather during the current unit's compute and reduces during the next backward compute. On CPU
+  ``overlap`` is 0 (gloo collectives block the calling thread; FSDP2's streams are no-ops), so every
+  collective is exposed; on CUDA it is 1;
+* copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in, replicate's parameter
+  copy) at the memory-copy bandwidth; the optimizer step is proportional to the unit's local trainable bytes;
+  each unit costs a fixed hook overhead, each extra slice a call overhead and its share of ``torch.cat``.
+
+See :class:`CostModelConfig` for the constants and where they come from.
+"""
+
+from lightning_osdp.cost_model.config import CostModelConfig
+from lightning_osdp.cost_model.parts import CATEGORIES, MemoryParts
+from lightning_osdp.cost_model.prediction import Prediction, PredictionCheck, UnitPrediction, predict
+from lightning_osdp.cost_model.units import UnitBytes, UnitTime
+
+__all__ = [
+    "CATEGORIES",
+    "CostModelConfig",
+    "MemoryParts",
+    "Prediction",
+    "PredictionCheck",
+    "UnitBytes",
+    "UnitPrediction",
+    "UnitTime",
+    "predict",
+]

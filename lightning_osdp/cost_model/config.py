@@ -1,0 +1,141 @@
+"""The few machine constants of the cost model that a profile does not carry, and how they are resolved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_osdp.profiling.model_profile import ModelProfile
+
+__all__ = ["CostModelConfig", "ResolvedConfig"]
+
+# [Note: calibration]
+# Defaults measured on the development machine (2 x86 cores shared by two ranks, torch 2.13 CPU, gloo, fp32), from
+# FSDP2 runs of the example GPT (torch.profiler) and micro-benchmarks:
+# * FSDP2's copies around collectives (foreach copy-in, split_with_sizes copy-out, chunk_cat, replicate's copies)
+#   cost ~1 ms per step for each 1 MiB unit under replicate and ~0.6 ms under fully_shard on one rank (3-4 MiB
+#   copied): ~3 GB/s. (A profile's ``info["copy_bytes_per_second"]``, measured on small cache-hot buffers, is
+#   several times faster: not used.)
+# * One FSDP2 unit costs ~0.35 ms of hooks per step on CPU, plus ~85 us per parameter tensor (views and DTensor
+#   wrappers made in every forward and backward): units of 1 or 8 Linear(8, 8) layers under fully_shard or
+#   replicate on one rank cost +0.5-0.65 ms and +1.6-1.9 ms each.
+# * Parameters are DTensors under FSDP2: a single-tensor AdamW step pays ~0.15 ms of DTensor dispatch per
+#   parameter tensor over the plain-tensor step the profile measures.
+# * A blocking collective in training costs ~1-3 ms more than the same call in the benchmark that fitted it: there
+#   the ranks enter together, in training the faster rank waits for the slower one (FSDP2's all-gather and
+#   reduce-scatter ranges in torch.profiler traces run 1-3 ms over the fit; end-to-end, 2 ms per call fits the
+#   all-no_shard, all-shard_grad_op and all-full_shard step times, which have 5, 10 and 15 calls).
+# * Lightning's loop around a step (closure, hooks, `self.log(..., sync_dist=True)`'s all-reduces, the optimizer
+#   wrapper) costs ~12-14 ms per step on top of the profiled step (a width-8 GPT under OSDPStrategy: 21-24 ms
+#   measured for 9.7 ms predicted without it, in every mode). The profile runs the step outside Lightning.
+# * Without a measured optimizer step: single-tensor AdamW at ~2.2 s per GB of parameters.
+_DEFAULT_COPY_BYTES_PER_SECOND = 3e9
+_OPTIMIZER_SECONDS_PER_BYTE = {"Adam": 2.2e-9, "AdamW": 2.2e-9, "SGD": 0.8e-9}
+_OPTIMIZER_TEMPORARIES = {"Adam": 2.0, "AdamW": 2.0, "SGD": 0.0}
+_CPU_COLLECTIVE_SYNC_SECONDS = 2e-3
+_CPU_FRAMEWORK_SECONDS = 12e-3
+# NOTE: not measured on CUDA; Lightning's loop is the same Python, the collectives behind `sync_dist` are faster.
+_CUDA_FRAMEWORK_SECONDS = 5e-3
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    """Constants of the time and memory model; ``None`` means "from the profile, else a default".
+
+    Args:
+        overlap: fraction of a unit's own compute time that can hide its collectives. ``None``: 0 on CPU (gloo
+            collectives block the calling thread, and FSDP2's streams are no-ops there, so nothing overlaps) and
+            1 on CUDA (all-gathers and reduce-scatters run on their own streams).
+        copy_bytes_per_second: memory-copy bandwidth of FSDP2's own copies (all-gather copy-in/out,
+            reduce-scatter copy-in, replicate's parameter copy).
+        optimizer_seconds_per_byte: optimizer-step time per byte of local trainable parameters (default: the
+            profile's ``optimizer_step_seconds`` over its trainable bytes).
+        optimizer_seconds_per_tensor: extra optimizer-step time per parameter tensor: FSDP2's parameters are
+            DTensors, and every optimizer op on one goes through DTensor dispatch.
+        collective_sync_seconds: extra time of each blocking collective in training over the fitted time (the
+            ranks do not enter a collective together). ``None``: 2 ms on CPU, 0 on CUDA (where collectives are
+            asynchronous and overlap).
+        unit_overhead_seconds: fixed cost of one FSDP2 unit per step (its four hooks and their Python work).
+        tensor_overhead_seconds: cost per parameter tensor of a unit per step (FSDP2 rebuilds views and DTensor
+            wrappers of every parameter and gradient).
+        framework_seconds: per-step time of the training loop around the profiled step (Lightning's closure and
+            hooks, logging with ``sync_dist``). ``None``: ``profile.info["framework_seconds"]`` when measured,
+            else 12 ms on CPU, 5 ms on CUDA.
+        split_overhead_seconds: extra cost per additional slice of a split Linear (a matmul call forward and
+            backward, and its slice's hooks beyond ``unit_overhead_seconds``).
+        optimizer_temporaries: temporaries of the optimizer step, as multiples of the largest local parameter
+            (single-tensor Adam allocates ``sqrt(v)`` and its quotient: 2).
+    """
+
+    overlap: float | None = None
+    copy_bytes_per_second: float | None = None
+    optimizer_seconds_per_byte: float | None = None
+    optimizer_seconds_per_tensor: float = 1.5e-4
+    collective_sync_seconds: float | None = None
+    unit_overhead_seconds: float = 3.5e-4
+    tensor_overhead_seconds: float = 8.5e-5
+    framework_seconds: float | None = None
+    split_overhead_seconds: float = 1e-4
+    optimizer_temporaries: float | None = None
+
+    def resolve(self, profile: ModelProfile) -> ResolvedConfig:
+        """Fill the ``None`` fields from ``profile`` (device, optimizer type, measured figures)."""
+        info = profile.info or {}
+        on_cpu = profile.device.split(":")[0].startswith("cpu")
+        overlap = self.overlap
+        if overlap is None:
+            overlap = 0.0 if on_cpu else 1.0
+        sync = self.collective_sync_seconds
+        if sync is None:
+            sync = _CPU_COLLECTIVE_SYNC_SECONDS if on_cpu else 0.0
+        copy_rate = self.copy_bytes_per_second or _DEFAULT_COPY_BYTES_PER_SECOND
+        trainable = sum(m.trainable_param_bytes for m in profile.modules.values())
+        # The profile's step overhead was measured with the optimizer stepping every parameter on one device; the
+        # optimizer's share is modelled per unit (it shrinks with sharding), so it is taken out of the constant.
+        measured_optimizer = float(
+            getattr(profile, "optimizer_step_seconds", 0.0) or info.get("optimizer_seconds") or 0
+        )
+        opt_rate = self.optimizer_seconds_per_byte
+        if opt_rate is None and measured_optimizer > 0 and trainable > 0:
+            opt_rate = measured_optimizer / trainable
+        if opt_rate is None:
+            opt_rate = _OPTIMIZER_SECONDS_PER_BYTE.get(profile.optimizer, 0.0)
+        temporaries = self.optimizer_temporaries
+        if temporaries is None:
+            temporaries = _OPTIMIZER_TEMPORARIES.get(profile.optimizer, 0.0)
+        constant = max(profile.step_overhead_seconds - measured_optimizer, 0.0)
+        framework = self.framework_seconds
+        if framework is None:
+            measured_framework = info.get("framework_seconds")
+            if measured_framework is not None:
+                framework = float(measured_framework)
+            else:
+                framework = _CPU_FRAMEWORK_SECONDS if on_cpu else _CUDA_FRAMEWORK_SECONDS
+        return ResolvedConfig(
+            overlap=float(overlap),
+            copy_bytes_per_second=float(copy_rate),
+            optimizer_seconds_per_byte=float(opt_rate),
+            optimizer_seconds_per_tensor=self.optimizer_seconds_per_tensor,
+            collective_sync_seconds=float(sync),
+            unit_overhead_seconds=self.unit_overhead_seconds,
+            tensor_overhead_seconds=self.tensor_overhead_seconds,
+            split_overhead_seconds=self.split_overhead_seconds,
+            optimizer_temporaries=float(temporaries),
+            step_overhead_seconds=constant + framework,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """:class:`CostModelConfig` with every figure known (see there); ``step_overhead_seconds`` is the profile's
+    per-step time outside modules, less the optimizer step (modelled per unit), plus the framework's."""
+
+    overlap: float
+    copy_bytes_per_second: float
+    optimizer_seconds_per_byte: float
+    optimizer_seconds_per_tensor: float
+    collective_sync_seconds: float
+    unit_overhead_seconds: float
+    tensor_overhead_seconds: float
+    split_overhead_seconds: float
+    optimizer_temporaries: float
+    step_overhead_seconds: float

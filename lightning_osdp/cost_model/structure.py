@@ -1,0 +1,497 @@
+"""How a plan executes, as the cost model sees it: global units, segments of units, and free modules.
+
+[Note: the execution structure]
+Walking the modules in forward order (depth first, children in the order they first ran), a plan cuts the
+model into:
+
+* **global units**: the root unit ``""`` (parameters no other decision covers; FSDP2's root encloses the whole
+  step) and every list group of tied parameters (``fully_shard([wte, lm_head])``, gathered from the first
+  holder's forward to the last holder's, so in practice for the whole forward and backward). Their
+  parameters are gathered for the whole step.
+* **segments**: each top-level decided module (its nearest decided ancestor is the root) with its subtree, in
+  forward order. Decisions nested inside (a Linear of a block, or the ``k`` slices of a split Linear) are the
+  segment's inner units, simulated event by event.
+* **free runs**: modules outside every segment (embeddings, final norm, containers): their activations and
+  compute, with no unit events of their own (their parameters are in a global unit).
+
+Everything about one segment depends only on that segment's decisions; what passes between segments is a few
+buffers (a pending all-gather output, a prefetched one, a pending reduce-scatter input). That is what lets the
+solver choose each segment's option independently and still model the chain exactly (see ``timeline.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_osdp.cost_model.config import ResolvedConfig
+from lightning_osdp.cost_model.units import (
+    ParamSpec,
+    UnitBytes,
+    UnitTime,
+    collective_seconds,
+    module_params,
+    split_params,
+    unit_bytes,
+)
+from lightning_osdp.plan import MODES, Decision, Plan
+from lightning_osdp.profiling.model_profile import ModelProfile
+
+__all__ = [
+    "FreeRun",
+    "Layout",
+    "LocalUnit",
+    "ModelInfo",
+    "Node",
+    "Segment",
+    "Structure",
+    "build_segment",
+    "build_structure",
+    "free_run",
+    "global_unit",
+    "layout",
+]
+
+ROOT = ""
+
+
+class ModelInfo:
+    """What the cost model reads from a profile, indexed once: forward order, tree, parameters per module."""
+
+    def __init__(self, profile: ModelProfile, world_size: int, config: ResolvedConfig) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if ROOT not in profile.modules:
+            raise ValueError("the profile has no root module ''")
+        self.profile = profile
+        self.world_size = world_size
+        self.config = config
+        self.modules = profile.modules
+        ran: dict[str, int] = {}
+        explicit = profile.info.get("forward_order") if profile.info else None
+        for i, name in enumerate(explicit or ()):
+            ran.setdefault(name, i)
+        registration = {name: i for i, name in enumerate(profile.modules)}
+        big = len(registration) + len(ran) + 1
+
+        def key(name: str) -> tuple[int, int]:
+            # Children in the order they first ran; modules never seen running after those, as registered.
+            return (ran.get(name, big), registration[name])
+
+        self.children: dict[str, list[str]] = {
+            name: sorted((c for c in mp.children if c in profile.modules), key=key)
+            for name, mp in profile.modules.items()
+        }
+        self.order: list[str] = []
+        stack = [ROOT]
+        while stack:
+            name = stack.pop()
+            self.order.append(name)
+            stack.extend(reversed(self.children[name]))
+        self.pos = {name: i for i, name in enumerate(self.order)}
+        self.params: dict[str, list[ParamSpec]] = {n: module_params(mp) for n, mp in profile.modules.items()}
+        self.optim_tensor = {n: float(mp.optim_state_bytes) for n, mp in profile.modules.items()}
+        self.optim_scalar = {n: float(getattr(mp, "optim_scalar_bytes", 0) or 0) for n, mp in profile.modules.items()}
+        self.leaves = [n for n in self.order if not self.children[n]]
+        prev_out: dict[str, int] = {}
+        last = 0
+        for n in self.leaves:
+            prev_out[n] = last
+            last = profile.modules[n].output_bytes
+        self.input_bytes = prev_out
+        # Units whose first module runs no later than the first module with trainable parameters take the model's
+        # raw input, which needs no gradient: FSDP2 registers no post-backward hook for them, and their gradients
+        # are reduced in the root's final callback, after the whole backward.
+        trainable_pos = [self.pos[n] for n, mp in profile.modules.items() if mp.trainable_param_bytes > 0]
+        self.first_trainable_pos = min(trainable_pos, default=len(self.order))
+        self.tied = [list(group) for group in profile.tied]
+
+    def subtree(self, name: str) -> list[str]:
+        """``name`` and its descendants, in forward order."""
+        out: list[str] = []
+        stack = [name]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(reversed(self.children[n]))
+        return out
+
+    def is_descendant(self, name: str, ancestor: str) -> bool:
+        return ancestor == ROOT or name.startswith(ancestor + ".")
+
+    def splittable(self, name: str) -> int:
+        """The largest split factor module ``name`` admits (1 when it cannot be split): an ``nn.Linear`` that ran,
+        owns its weight (not a tied holder) and has no children; slices are cut along ``out_features``."""
+        mp = self.modules.get(name)
+        if mp is None or mp.type != "Linear" or self.children[name] or not mp.param_shapes:
+            return 1
+        if any(name in group for group in self.tied):
+            return 1
+        if mp.fwd_seconds <= 0 and mp.output_bytes <= 0 and mp.fwd_flops <= 0:
+            return 1  # never called as a module (MultiheadAttention's out_proj): no hooks would fire
+        weights = [s for s in mp.param_shapes if len(s) == 2]
+        if len(weights) != 1:
+            return 1
+        return int(weights[0][0])
+
+
+@dataclass
+class Node:
+    """A module in a segment's forward, with what the model counts for it."""
+
+    name: str
+    unit: int | None
+    act: int
+    out: int
+    inp: int
+    grad: int
+    owner: int | None
+    fwd: float
+    bwd: float
+    children: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class LocalUnit:
+    """One FSDP2 unit of a segment (or a global unit) with its figures under its mode."""
+
+    names: tuple[str, ...]
+    decision_name: str
+    mode: str
+    split: int
+    bytes: UnitBytes
+    time: UnitTime
+    deferred: bool
+
+
+@dataclass
+class Segment:
+    """One segment under one choice of decisions (see [Note: the execution structure])."""
+
+    entry: str
+    decisions: dict[str, Decision]
+    root: Node
+    units: list[LocalUnit]
+
+
+@dataclass
+class FreeRun:
+    """Consecutive modules outside every segment."""
+
+    nodes: list[Node]
+
+
+@dataclass
+class Structure:
+    """A plan's execution structure: global units, then items (segments and free runs) in forward order."""
+
+    globals: list[LocalUnit]
+    items: list[Segment | FreeRun]
+    compute_seconds: float
+    extra_activation_bytes: int
+    last_output_bytes: int
+    buffer_bytes: int
+
+
+def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
+    """Communication, copies, optimizer and overhead seconds of a unit (see the cost model's time model)."""
+    cfg, ws, profile = info.config, info.world_size, info.profile
+    copy = cfg.copy_bytes_per_second
+    if b.param_count == 0:
+        return UnitTime(compute=compute)
+    sync = cfg.collective_sync_seconds if ws > 1 else 0.0
+    if b.sharded:
+        gathers = 2 if b.mode == "full_shard" else 1
+        comm = gathers * (collective_seconds(profile, "all_gather", b.flat, ws) + sync)
+        copies = gathers * (b.params + b.gathered) / copy
+        if b.trainable:
+            comm += collective_seconds(profile, "reduce_scatter", b.reduce_input, ws) + sync
+            copies += b.reduce_input / copy
+    else:
+        comm = 0.0
+        copies = b.gathered / copy
+        if b.trainable:
+            comm += collective_seconds(profile, "all_reduce", b.grad, ws) + sync
+            copies += (b.reduce_input + b.grad) / copy
+    if ws <= 1:
+        comm = 0.0
+    exposed = max(0.0, comm - cfg.overlap * compute)
+    return UnitTime(
+        communication=comm,
+        exposed=exposed,
+        copies=copies,
+        optimizer=b.grad * cfg.optimizer_seconds_per_byte + b.n_trainable * cfg.optimizer_seconds_per_tensor,
+        overhead=cfg.unit_overhead_seconds + b.n_params * cfg.tensor_overhead_seconds,
+        compute=compute,
+    )
+
+
+def _optim_bytes(info: ModelInfo, names: Sequence[str]) -> tuple[float, float]:
+    return sum(info.optim_tensor[n] for n in names), sum(info.optim_scalar[n] for n in names)
+
+
+def _make_unit(
+    info: ModelInfo,
+    names: tuple[str, ...],
+    decision_name: str,
+    mode: str,
+    params: list[ParamSpec],
+    optim: tuple[float, float],
+    compute: float,
+    *,
+    split: int = 1,
+    deferred: bool,
+) -> LocalUnit:
+    b = unit_bytes(params, mode, info.world_size, optim_tensor_bytes=optim[0], optim_scalar_bytes=optim[1])
+    return LocalUnit(names, decision_name, mode, split, b, unit_time(info, b, compute), deferred)
+
+
+def global_unit(info: ModelInfo, name: str, holders: Sequence[str], covered: Sequence[str], mode: str) -> LocalUnit:
+    """A global unit (the root, or a tied list group) covering the own parameters of ``covered``."""
+    params = [p for n in covered for p in info.params[n]]
+    compute = sum(info.modules[n].fwd_seconds + info.modules[n].bwd_seconds for n in covered)
+    return _make_unit(info, tuple(holders), name, mode, params, _optim_bytes(info, covered), compute, deferred=True)
+
+
+def build_segment(
+    info: ModelInfo,
+    entry: str,
+    decisions: Mapping[str, Decision],
+    *,
+    excluded: frozenset[str] = frozenset(),
+) -> Segment:
+    """The segment rooted at ``entry`` under ``decisions`` (names inside the subtree of ``entry``, which must be
+    decided). Modules in ``excluded`` keep their parameters in a global unit (tied list groups)."""
+    if entry not in decisions:
+        raise ValueError(f"segment {entry!r} needs a decision on its entry module")
+    members = info.subtree(entry)
+    cover: dict[str, str] = {}
+    for name in members:
+        probe = name
+        while probe not in decisions:
+            probe = probe.rpartition(".")[0]
+        cover[name] = probe
+    units: list[LocalUnit] = []
+    index: dict[str, int] = {}
+    slice_index: dict[str, list[int]] = {}
+    for dname in [n for n in members if n in decisions and n not in excluded]:
+        d = decisions[dname]
+        covered = [n for n in members if cover[n] == dname and n not in excluded]
+        params = [p for n in covered for p in info.params[n]]
+        deferred = info.pos[dname] <= info.first_trainable_pos
+        if d.split > 1:
+            mp = info.modules[dname]
+            if info.splittable(dname) < d.split:
+                raise ValueError(f"module {dname!r} cannot be split {d.split} ways")
+            parts = split_params(info.params[dname], d.split)
+            total = max(sum(p.nbytes for p in info.params[dname]), 1)
+            tensor, scalar = info.optim_tensor[dname], info.optim_scalar[dname]
+            per_tensor = scalar / max(len(info.params[dname]), 1)
+            slice_index[dname] = []
+            for i, sp in enumerate(parts):
+                share = sum(p.nbytes for p in sp) / total
+                compute = (mp.fwd_seconds + mp.bwd_seconds) * share
+                u = _make_unit(
+                    info,
+                    (f"{dname}.slices.{i}",),
+                    dname,
+                    d.mode,
+                    sp,
+                    (tensor * share, per_tensor * len(sp)),
+                    compute,
+                    split=d.split,
+                    deferred=deferred,
+                )
+                # Each extra slice is one more matmul call and its hooks; torch.cat copies the output once.
+                extra = info.config.split_overhead_seconds + mp.output_bytes * share / info.config.copy_bytes_per_second
+                u.time = u.time + UnitTime(overhead=extra)
+                slice_index[dname].append(len(units))
+                units.append(u)
+            continue
+        if not params:
+            continue  # FSDP2 creates no parameter group: no hooks that gather, reduce or free anything
+        compute = sum(info.modules[n].fwd_seconds + info.modules[n].bwd_seconds for n in covered)
+        index[dname] = len(units)
+        units.append(
+            _make_unit(info, (dname,), dname, d.mode, params, _optim_bytes(info, covered), compute, deferred=deferred)
+        )
+
+    def make(name: str) -> Node:
+        mp = info.modules[name]
+        owner_name = cover[name]
+        own = info.params[name]
+        if name in slice_index:
+            k = len(slice_index[name])
+            node = Node(name, None, mp.activation_bytes, mp.output_bytes, 0, 0, None, 0.0, 0.0)
+            for i, (u, sp) in enumerate(zip(slice_index[name], split_params(own, k), strict=True)):
+                share = 1.0 / k
+                node.children.append(
+                    Node(
+                        f"{name}.slices.{i}",
+                        u,
+                        0,
+                        mp.output_bytes // k,
+                        info.input_bytes.get(name, 0),
+                        sum(p.nbytes for p in sp if p.trainable),
+                        u,
+                        mp.fwd_seconds * share,
+                        mp.bwd_seconds * share,
+                    )
+                )
+            return node
+        owner = None if name in excluded else index.get(owner_name)
+        grad = sum(p.nbytes for p in own if p.trainable) if owner is not None else 0
+        node = Node(
+            name,
+            index.get(name) if name not in excluded else None,
+            mp.activation_bytes,
+            mp.output_bytes,
+            info.input_bytes.get(name, 0),
+            grad,
+            owner,
+            mp.fwd_seconds,
+            mp.bwd_seconds,
+        )
+        node.children = [make(c) for c in info.children[name]]
+        return node
+
+    return Segment(entry, dict(decisions), make(entry), units)
+
+
+def _free_node(info: ModelInfo, name: str) -> Node:
+    mp = info.modules[name]
+    return Node(
+        name,
+        None,
+        mp.activation_bytes,
+        mp.output_bytes,
+        info.input_bytes.get(name, 0),
+        0,
+        None,
+        mp.fwd_seconds,
+        mp.bwd_seconds,
+    )
+
+
+def list_groups(info: ModelInfo, decisions: Mapping[str, Decision]) -> list[list[str]]:
+    """Decided modules the executor merges into one FSDP2 group because they hold a tied parameter."""
+
+    def unit_of(name: str) -> str:
+        probe = name
+        while probe not in decisions and probe != ROOT:
+            probe = probe.rpartition(".")[0]
+        return probe
+
+    groups: list[list[str]] = []
+    for holders in info.tied:
+        units = sorted({unit_of(h) for h in holders if h in info.modules})
+        if len(units) < 2:
+            continue
+        merged = set(units)
+        for g in [g for g in groups if merged & set(g)]:
+            merged |= set(g)
+            groups.remove(g)
+        groups.append(sorted(merged, key=lambda n: info.pos.get(n, 0)))
+    return groups
+
+
+@dataclass
+class Layout:
+    """Which modules are segments, tied list groups, the root's, or free (see [Note: the execution structure]).
+
+    Attributes:
+        segments: top-level decided modules, in forward order.
+        groups: tied list groups (decided holders in different units), each global.
+        group_cover: modules whose own parameters each group covers (keyed by the group's first holder).
+        root_cover: modules whose own parameters the root unit covers.
+        excluded: modules whose parameters a group covers (they are free modules of no segment's unit).
+        items: in forward order, a segment's entry (``str``) or a free run (``list`` of module names).
+    """
+
+    segments: list[str]
+    groups: list[list[str]]
+    group_cover: dict[str, list[str]]
+    root_cover: list[str]
+    excluded: frozenset[str]
+    items: list[str | list[str]]
+
+
+def layout(info: ModelInfo, decisions: Mapping[str, Decision]) -> Layout:
+    """The layout of ``decisions`` (which must include the root ``""``)."""
+    groups = [g for g in list_groups(info, decisions) if ROOT not in g]
+    grouped = {n for g in groups for n in g}
+
+    def covering(name: str) -> str:
+        probe = name
+        while probe not in decisions:
+            probe = probe.rpartition(".")[0]
+        return probe
+
+    def nearest_decided_ancestor(name: str) -> str:
+        return covering(name.rpartition(".")[0]) if "." in name else ROOT
+
+    top = [
+        n
+        for n in info.order
+        if n != ROOT and n in decisions and n not in grouped and nearest_decided_ancestor(n) == ROOT
+    ]
+    group_cover = {g[0]: [n for m in g for n in info.subtree(m) if covering(n) == m] for g in groups}
+    excluded = frozenset(n for cov in group_cover.values() for n in cov)
+    in_segment = {n for e in top for n in info.subtree(e)}
+    root_cover = [n for n in info.order if n not in excluded and n not in in_segment and covering(n) == ROOT]
+    items: list[str | list[str]] = []
+    top_set = set(top)
+    run: list[str] = []
+    skip: set[str] = set()
+    for n in info.order:
+        if n in skip:
+            continue
+        if n in top_set:
+            if run:
+                items.append(run)
+                run = []
+            skip.update(info.subtree(n))
+            items.append(n)
+        else:
+            run.append(n)
+    if run:
+        items.append(run)
+    return Layout(top, groups, group_cover, root_cover, excluded, items)
+
+
+def build_structure(info: ModelInfo, plan: Plan) -> Structure:
+    """The execution structure of ``plan`` (see [Note: the execution structure])."""
+    decisions = dict(plan.decisions)
+    for name, d in decisions.items():
+        if name not in info.modules:
+            raise ValueError(f"plan names module {name!r}, which the profile does not have")
+        if d.mode not in MODES:
+            raise ValueError(f"module {name!r}: unknown mode {d.mode!r}")
+    decisions.setdefault(ROOT, Decision("no_shard"))
+    lay = layout(info, decisions)
+    globals_ = [global_unit(info, ROOT, (ROOT,), lay.root_cover, decisions[ROOT].mode)]
+    for g in lay.groups:
+        modes = {decisions[m].mode for m in g}
+        if len(modes) > 1:
+            raise ValueError(f"tied units {g} must take one mode, got {sorted(modes)}")
+        globals_.append(global_unit(info, g[0], tuple(g), lay.group_cover[g[0]], modes.pop()))
+    items: list[Segment | FreeRun] = []
+    for item in lay.items:
+        if isinstance(item, str):
+            seg_decisions = {m: decisions[m] for m in info.subtree(item) if m in decisions}
+            items.append(build_segment(info, item, seg_decisions, excluded=lay.excluded))
+        else:
+            items.append(free_run(info, item))
+    return Structure(
+        globals=globals_,
+        items=items,
+        compute_seconds=sum(mp.fwd_seconds + mp.bwd_seconds for mp in info.modules.values()),
+        extra_activation_bytes=info.profile.extra_activation_bytes,
+        last_output_bytes=info.modules[info.leaves[-1]].output_bytes if info.leaves else 0,
+        buffer_bytes=sum(int(getattr(mp, "buffer_bytes", 0) or 0) for mp in info.modules.values()),
+    )
+
+
+def free_run(info: ModelInfo, names: Sequence[str]) -> FreeRun:
+    """Free modules (their parameters are in a global unit) as one run."""
+    return FreeRun([_free_node(info, n) for n in names])

@@ -1,0 +1,713 @@
+"""The OSDP planner: an integer linear program choosing each planning unit's option under the memory budget.
+
+[Note: the ILP]
+Variables: one binary ``x[u, o]`` per planning unit ``u`` (a segment, the root, a tied group) and option ``o``
+(see ``candidates.py``), with ``sum_o x[u, o] = 1``; continuous auxiliaries ``L_i`` for the running memory level
+between segments (``L_i = L_{i-1} + sum_o x[s_i, o] * net[s_i, o]``, so that no row grows with the model) and
+one ``T`` for the optimizer step's temporaries (``T >= temp[u]`` for every unit: a maximum).
+
+Constraints: every instant of the cost model's timeline (``lightning_osdp/cost_model/timeline.py``) is one row
+``level + cross-segment buffers + sum_o x[s, o] * peak[s, o, class] <= budget``: per segment, its largest
+forward instant before and after it frees the previous unit's pending all-gather output, and its largest
+backward instant in each of four classes (whether the later segment's reduce-scatter input and the all-gather
+output prefetched for the earlier segment are alive); plus the global instants (step start, loss, final
+reductions, optimizer step). These are exactly the instants :func:`~lightning_osdp.cost_model.predict` takes
+the maximum of, evaluated on the same numbers: the plan's predicted peak is the ILP's, not a bound of it.
+
+Objective: the predicted step time, ``compute + sum_{u,o} x[u, o] * added_seconds[u, o]``, where each option's
+added seconds (exposed communication, copies, optimizer, overhead) are precomputed: exposure is per unit
+(``max(0, communication - overlap * its compute)``), so the objective is linear.
+
+[Note: solving]
+The LP relaxation is solved first (CBC, ``mip=False``): it is a lower bound, and in practice only one or two
+choices come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan
+that fits; when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise a
+small branch and bound over the fractional choices and a spread of others (the rest fixed) looks for the swaps
+rounding misses, and failing that CBC's branch and bound runs on the whole problem with ``gapRel`` and
+``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its ``sol_status`` and
+log decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility (then the
+smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
+feasibility pump alone takes longer than the whole LP-and-round path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pulp
+
+from lightning_osdp.budget import format_bytes
+from lightning_osdp.cost_model.config import CostModelConfig
+from lightning_osdp.cost_model.parts import MemoryParts
+from lightning_osdp.cost_model.prediction import Prediction, _predict
+from lightning_osdp.cost_model.structure import ROOT, ModelInfo, build_segment, free_run, global_unit, layout
+from lightning_osdp.cost_model.timeline import (
+    FreeCosts,
+    GlobalChoice,
+    SegmentChoice,
+    SegmentCosts,
+    TimelineInput,
+    build_timeline,
+    simulate_free,
+    simulate_segment,
+)
+from lightning_osdp.plan import MODES, Decision, Plan
+from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solver.candidates import Candidates, SegmentOption, planning_units, segment_options
+from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
+
+__all__ = ["InfeasibleBudgetError", "PlanningProblem", "SolverError", "minimum_budget", "solve"]
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget. ``minimum`` is the smallest budget any plan meets (bytes)."""
+
+    def __init__(self, message: str, *, budget: int, minimum: int, consumers: list[tuple[str, int]]) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.minimum = minimum
+        self.consumers = consumers
+
+
+class SolverError(RuntimeError):
+    """CBC found no solution (for example, none within the time limit)."""
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """How CBC ended."""
+
+    status: str
+    gap: float | None
+    seconds: float
+    objective: float
+
+
+class PlanningProblem:
+    """The planning units, their options and the timeline input, built once per (profile, world size, options).
+
+    Args:
+        profile: the model's profile.
+        world_size: ranks.
+        modes: allowed modes.
+        splits: allowed split factors (already capped by ``max_split``).
+        units: planning units overriding the automatic choice (see ``candidates.py``).
+        config: cost-model constants.
+    """
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        world_size: int,
+        *,
+        modes: Sequence[str] = MODES,
+        splits: Sequence[int] = (1,),
+        units: Iterable[str] | None = None,
+        config: CostModelConfig | None = None,
+    ) -> None:
+        unknown = [m for m in modes if m not in MODES]
+        if unknown or not modes:
+            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(modes)}")
+        if any(k < 1 for k in splits) or 1 not in splits:
+            raise ValueError(f"splits must be integers >= 1 and include 1, got {tuple(splits)}")
+        self.profile = profile
+        self.world_size = world_size
+        self.modes = tuple(modes)
+        self.splits = tuple(sorted(set(splits)))
+        self.config = (config or CostModelConfig()).resolve(profile)
+        self.info = ModelInfo(profile, world_size, self.config)
+        self.candidates: Candidates = planning_units(self.info, units=units)
+        first = Decision(self.modes[0])
+        representative = {ROOT: first}
+        representative.update({s.entry: first for s in self.candidates.segments})
+        representative.update({h: first for g in self.candidates.tie_groups for h in g})
+        self.layout = layout(self.info, representative)
+        self.option_decisions: dict[tuple[Hashable, Hashable], tuple[tuple[str, Decision], ...]] = {}
+        self.option_labels: dict[tuple[Hashable, Hashable], str] = {}
+        globals_ = [
+            GlobalChoice(
+                ROOT,
+                {m: global_unit(self.info, ROOT, (ROOT,), self.layout.root_cover, m) for m in self.modes},
+                is_root=True,
+            )
+        ]
+        for m in self.modes:
+            self.option_decisions[(ROOT, m)] = ((ROOT, Decision(m)),)
+            self.option_labels[(ROOT, m)] = m
+        for g in self.layout.groups:
+            key = g[0]
+            cover = self.layout.group_cover[key]
+            globals_.append(
+                GlobalChoice(key, {m: global_unit(self.info, key, tuple(g), cover, m) for m in self.modes}, False)
+            )
+            for m in self.modes:
+                self.option_decisions[(key, m)] = tuple((h, Decision(m)) for h in g)
+                self.option_labels[(key, m)] = m
+        by_entry = {s.entry: s for s in self.candidates.segments}
+        # Identical segments (same shapes and figures: the blocks of a Transformer) share their simulations and
+        # pruning: on deep models that is most of the solver's Python time.
+        cache: dict[tuple[Any, ...], tuple[list[SegmentOption], dict[Hashable, SegmentCosts]]] = {}
+        items: list[SegmentChoice | FreeCosts] = []
+        self.option_count = 0
+        for item in self.layout.items:
+            if isinstance(item, list):
+                items.append(simulate_free(free_run(self.info, item)))
+                continue
+            signature = (self._signature(item), tuple(n[len(item) :] for n in by_entry[item].inner))
+            if signature not in cache:
+                options = segment_options(self.info, by_entry[item], self.modes, self.splits)
+                costs: dict[int, SegmentCosts] = {}
+                for i, option in enumerate(options):
+                    segment = build_segment(self.info, item, dict(option.decisions), excluded=self.layout.excluded)
+                    costs[i] = dataclasses.replace(
+                        simulate_segment(segment, self.config.optimizer_temporaries), units=()
+                    )
+                kept = _prune(costs)
+                cache[signature] = ([options[i] for i in kept], {j: costs[i] for j, i in enumerate(kept)})
+            relative, kept_costs = cache[signature]
+            for j, option in enumerate(relative):
+                decisions = tuple((item + name[len(relative_entry(option)) :], d) for name, d in option.decisions)
+                self.option_decisions[(item, j)] = decisions
+                self.option_labels[(item, j)] = option.label
+            self.option_count += len(kept_costs)
+            items.append(SegmentChoice(item, kept_costs))
+        self.option_count += sum(len(g.options) for g in globals_)
+        self.spec: TimelineInput[LinExpr] = TimelineInput(
+            globals=globals_,
+            items=items,
+            compute_seconds=sum(mp.fwd_seconds + mp.bwd_seconds for mp in profile.modules.values())
+            + self.config.step_overhead_seconds,
+            extra_activation_bytes=profile.extra_activation_bytes,
+            last_output_bytes=profile.modules[self.info.leaves[-1]].output_bytes if self.info.leaves else 0,
+            buffer_bytes=sum(int(getattr(mp, "buffer_bytes", 0) or 0) for mp in profile.modules.values()),
+            optimizer_temporaries=self.config.optimizer_temporaries,
+        )
+
+    def _signature(self, entry: str) -> tuple[Any, ...]:
+        # Identical blocks (same shapes and figures) share their simulations: the solver's cost on deep models.
+        info = self.info
+        prefix = len(entry)
+        rows = []
+        for n in info.subtree(entry):
+            mp = info.modules[n]
+            rows.append(
+                (
+                    n[prefix:],
+                    mp.type,
+                    tuple(map(tuple, mp.param_shapes)),
+                    mp.param_bytes,
+                    mp.trainable_param_bytes,
+                    mp.optim_state_bytes,
+                    info.optim_scalar[n],
+                    mp.activation_bytes,
+                    mp.output_bytes,
+                    info.input_bytes.get(n, 0),
+                    mp.fwd_seconds,
+                    mp.bwd_seconds,
+                    n in self.layout.excluded,
+                    info.pos[n] <= info.first_trainable_pos,
+                    info.splittable(n),
+                )
+            )
+        return tuple(rows)
+
+    # ------------------------------------------------------------------ ILP
+    def build(self) -> LinearBackend:
+        """The timeline as linear expressions over the option binaries."""
+        be = LinearBackend()
+        for g in self.spec.globals:
+            be.register(g.key, list(g.options))
+        for item in self.spec.items:
+            if isinstance(item, SegmentChoice):
+                be.register(item.key, list(item.options))
+        build_timeline(self.spec, be)
+        return be
+
+    def solve_ilp(
+        self, be: LinearBackend, *, budget: int | None, gap: float, time_limit: float
+    ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+        """Minimise step time under ``budget`` (bytes), or (``budget=None``) minimise the peak. Returns the chosen
+        option per choice (``None`` when infeasible) and how CBC ended (see [Note: solving])."""
+        started = time.perf_counter()
+        prob = pulp.LpProblem("osdp", pulp.LpMinimize)
+        xs = [pulp.LpVariable(v.name, cat=pulp.LpBinary if v.binary else pulp.LpContinuous) for v in be.variables]
+
+        def affine(e: LinExpr) -> pulp.LpAffineExpression:
+            return pulp.LpAffineExpression([(xs[i], c) for i, c in e.terms.items() if c], constant=e.const)
+
+        peak: pulp.LpVariable | None = None
+        if budget is None:
+            peak = pulp.LpVariable("peak_mib", cat=pulp.LpContinuous)
+            prob += pulp.LpAffineExpression([(peak, 1.0)])
+        else:
+            prob += affine(be.objective)
+        for key, options in be.options.items():
+            prob += pulp.lpSum(xs[be.binaries[(key, o)]] for o in options) == 1
+        for i, v in enumerate(be.variables):
+            if v.definition is not None:
+                prob += affine(v.definition - LinExpr({i: 1.0})) == 0
+            for e in v.maximum_of:
+                prob += affine(e - LinExpr({i: 1.0})) <= 0
+            if v.product_of is not None:
+                y, r = v.product_of
+                lo, hi = be.bounds(r)
+                z = LinExpr({i: 1.0})
+                prob += affine(z - y.scaled(hi)) <= 0
+                prob += affine(y.scaled(lo) - z) <= 0
+                prob += affine(r - y.scaled(-hi) - LinExpr(const=hi) - z) <= 0  # z >= r - hi (1 - y)
+                prob += affine(z - r + y.scaled(-lo) + LinExpr(const=lo)) <= 0  # z <= r - lo (1 - y)
+        # Peaks are whole bytes: half a byte of slack admits a peak equal to the budget and nothing above it
+        # (CBC's feasibility tolerance, 1e-7 MiB, is a tenth of a byte).
+        rhs = None if budget is None else (budget + 0.5) / MIB
+        for _, e in be.checkpoints:
+            if not e.terms:
+                if rhs is not None and e.const > rhs:
+                    return None, SolveResult("infeasible", None, 0.0, math.nan)
+                if peak is None:
+                    continue
+            if peak is None:
+                assert rhs is not None
+                prob += affine(e) <= rhs
+            else:
+                prob += affine(e) - peak <= 0
+
+        def score(chosen: dict[Hashable, Hashable]) -> tuple[float, float]:
+            ev = be.evaluator(chosen)
+            top = max(ev(e) for _, e in be.checkpoints)
+            return top, (top if budget is None else ev(be.objective))
+
+        # 1. The LP relaxation: a lower bound, and (multiple-choice knapsacks being what they are) a solution with
+        #    very few fractional choices.
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=time_limit))
+        if prob.status == pulp.LpStatusInfeasible:
+            return None, SolveResult("infeasible", None, time.perf_counter() - started, math.nan)
+        lower = pulp.value(prob.objective)
+        rounded: dict[Hashable, Hashable] | None = None
+        if prob.status == pulp.LpStatusOptimal and lower is not None:
+            lower = float(lower)
+            rounded, fractional = self._round(be, xs)
+            top, value = score(rounded)
+            # The few fractional choices: first make the plan fit (the option that lowers the peak most), then
+            # take the fastest option the LP used that still fits.
+            for key in fractional:
+                if rhs is None or top <= rhs:
+                    break
+                trials = [({**rounded, key: o}, o) for o in fractional[key]]
+                best = min(trials, key=lambda t: score(t[0])[0])[0]
+                rounded = best
+                top, value = score(rounded)
+            if rhs is not None and top > rhs:
+                rounded = None
+            else:
+                for key in fractional:
+                    for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
+                        if o == rounded[key]:
+                            break
+                        trial = {**rounded, key: o}
+                        t_top, t_value = score(trial)
+                        if (rhs is None or t_top <= rhs) and t_value < value:
+                            rounded, value = trial, t_value
+                            break
+                achieved = (value - lower) / max(abs(value), 1e-12)
+                if achieved > gap and len(be.options) > _NEIGHBOURHOOD:
+                    # Rounding lost more than the gap: re-optimise a few choices around it, the rest fixed.
+                    better = self._neighbourhood(prob, be, xs, rounded, fractional, gap, time_limit / 4)
+                    if better is not None:
+                        b_top, b_value = score(better)
+                        if (rhs is None or b_top <= rhs) and b_value < value:
+                            rounded, value = better, b_value
+                            achieved = (value - lower) / max(abs(value), 1e-12)
+                if achieved <= gap:
+                    status = "optimal" if achieved <= 1e-9 else f"within gap {gap:g}"
+                    return rounded, SolveResult(status, max(achieved, 0.0), time.perf_counter() - started, value)
+        # 2. Branch and bound (the rounded plan, when it fits, is kept if CBC finds nothing better).
+        left = max(time_limit - (time.perf_counter() - started), 1.0)
+        # CBC's relative gap ignores the objective's constant (the compute time every plan pays); the gap asked
+        # for is relative to the predicted step time, so it is also given as an absolute gap.
+        absolute = gap * abs(lower) if lower is not None and budget is not None else None
+        chosen, result = _run_cbc(prob, be, xs, gap=gap, absolute_gap=absolute, time_limit=left, start=rounded)
+        if chosen is not None and rounded is not None:
+            c_top, c_value = score(chosen)
+            if (rhs is not None and c_top > rhs) or score(rounded)[1] < c_value:
+                chosen = rounded  # nothing better than the start (see _run_cbc)
+        return chosen, dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+    def _neighbourhood(
+        self,
+        prob: pulp.LpProblem,
+        be: LinearBackend,
+        xs: list[pulp.LpVariable],
+        start: dict[Hashable, Hashable],
+        fractional: Mapping[Hashable, Sequence[Hashable]],
+        gap: float,
+        time_limit: float,
+    ) -> dict[Hashable, Hashable] | None:
+        """Branch and bound over the fractional choices, the global units and a spread of other segments (every
+        other choice fixed to ``start``): finds the swaps rounding misses (one block to full_shard so that
+        another can stay no_shard), in a problem small enough to solve at once."""
+        keys = list(be.options)
+        free = set(fractional) | {g.key for g in self.spec.globals}
+        step = max(len(keys) // _NEIGHBOURHOOD, 1)
+        free.update(keys[::step])
+        free.update(keys[-2:])
+        fixed = []
+        for key in keys:
+            if key in free:
+                continue
+            for o in be.options[key]:
+                x = xs[be.binaries[(key, o)]]
+                value = 1.0 if start[key] == o else 0.0
+                x.lowBound = x.upBound = value
+                fixed.append(x)
+        try:
+            chosen, _ = _run_cbc(
+                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), start=start
+            )
+        except SolverError:
+            chosen = None
+        finally:
+            for x in fixed:
+                x.lowBound, x.upBound = 0, 1
+        return chosen
+
+    def _round(
+        self, be: LinearBackend, xs: list[pulp.LpVariable]
+    ) -> tuple[dict[Hashable, Hashable], dict[Hashable, list[Hashable]]]:
+        """Round an LP solution: every choice takes, among the options the LP uses, the one with the smallest
+        memory footprint (so that the rounded plan stays within the budget the LP met). Also returns the
+        fractional choices with the options the LP used."""
+        footprint: dict[Hashable, dict[Hashable, float]] = {}
+        for g in self.spec.globals:
+            footprint[g.key] = {
+                o: float(u.bytes.params + u.bytes.optim + u.bytes.grad + u.bytes.gathered + u.bytes.flat)
+                for o, u in g.options.items()
+            }
+        for item in self.spec.items:
+            if isinstance(item, SegmentChoice):
+                footprint[item.key] = {o: float(_footprint(c)) for o, c in item.options.items()}
+        chosen: dict[Hashable, Hashable] = {}
+        fractional: dict[Hashable, list[Hashable]] = {}
+        for key, options in be.options.items():
+            values = {o: xs[be.binaries[(key, o)]].value() or 0.0 for o in options}
+            support = [o for o in options if values[o] > 1e-6] or [max(options, key=lambda o: values[o])]
+            chosen[key] = min(support, key=lambda o: (footprint[key][o], -values[o]))
+            if len(support) > 1:
+                fractional[key] = support
+        return chosen, fractional
+
+    def _seconds(self, key: Hashable, option: Hashable) -> float:
+        for g in self.spec.globals:
+            if g.key == key:
+                return g.options[option].time.added
+        for item in self.spec.items:
+            if isinstance(item, SegmentChoice) and item.key == key:
+                return item.options[option].seconds
+        raise KeyError(key)
+
+    def plan(self, chosen: dict[Hashable, Hashable]) -> Plan:
+        """The plan of a chosen option per choice."""
+        decisions: dict[str, Decision] = {}
+        for key, option in chosen.items():
+            decisions.update(dict(self.option_decisions[(key, option)]))
+        return Plan(decisions)
+
+    def predict(self, plan: Plan) -> Prediction:
+        """The cost model's prediction of ``plan`` (same constants as the ILP)."""
+        return _predict(self.profile, plan, self.world_size, self.config)
+
+
+def relative_entry(option: SegmentOption) -> str:
+    """The entry module of the segment an option was generated for (its first decision)."""
+    return option.decisions[0][0]
+
+
+def _fields(c: SegmentCosts) -> list[MemoryParts | None]:
+    return [
+        c.fwd_pending,
+        c.fwd_after,
+        c.fwd_net,
+        c.pending,
+        c.prefetched,
+        *c.bwd.values(),
+        c.bwd_net,
+        c.reduce_input,
+        c.final_peak,
+        c.final_net,
+        c.final_reduce_input,
+        c.persistent,
+        c.grads,
+        c.optimizer_temp,
+    ]
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def _prune(costs: dict[K, SegmentCosts]) -> list[K]:
+    """Options not dominated by another: one that is no slower and no larger in every term (every term enters the
+    ILP's rows with a non-negative coefficient) can replace it in any plan. Among equals, the first is kept."""
+    keys = list(costs)
+    vectors = {k: [None if f is None else f.total for f in _fields(costs[k])] for k in keys}
+    flags = {k: (costs[k].frees_pending, costs[k].frees_reduce_input, costs[k].has_final) for k in keys}
+    kept: list[K] = []
+    for k in keys:
+        dominated = False
+        for j in keys:
+            if j == k or flags[j] != flags[k]:
+                continue
+            a, b = vectors[j], vectors[k]
+            no_worse = costs[j].seconds <= costs[k].seconds + 1e-15 and all(
+                x is None or (y is not None and x <= y) for x, y in zip(a, b, strict=True)
+            )
+            if not no_worse:
+                continue
+            equal = costs[j].seconds == costs[k].seconds and a == b
+            if not equal or keys.index(j) < keys.index(k):
+                dominated = True
+                break
+        if not dominated:
+            kept.append(k)
+    return kept
+
+
+#: Choices the neighbourhood search frees besides the fractional ones and the global units.
+_NEIGHBOURHOOD = 12
+
+_OBJECTIVE = re.compile(r"Objective value:\s+([-+0-9.eE]+)")
+_BOUND = re.compile(r"Lower bound:\s+([-+0-9.eE]+)")
+
+
+def _run_cbc(
+    prob: pulp.LpProblem,
+    be: LinearBackend,
+    xs: list[pulp.LpVariable],
+    *,
+    gap: float,
+    absolute_gap: float | None,
+    time_limit: float,
+    start: dict[Hashable, Hashable] | None,
+) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+    """Branch and bound; ``start`` (a plan that fits, or None) is the caller's fallback, not passed to CBC.
+
+    NOTE: CBC 2.10.3 (pulp's bundled one) mishandles MIP starts on this model: given a feasible start it can
+    report the problem "proven infeasible" while better plans exist, and pulp then reads the status as optimal and
+    returns the values of an infeasible LP. So no start is passed; the caller keeps the better of CBC's plan and
+    its own, and checks both against the budget.
+    """
+    with tempfile.TemporaryDirectory(prefix="osdp_cbc_") as tmp:
+        log = os.path.join(tmp, "cbc.log")
+        solver = pulp.PULP_CBC_CMD(msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log)
+        started = time.perf_counter()
+        prob.solve(solver)
+        seconds = time.perf_counter() - started
+        text = ""
+        if os.path.exists(log):
+            with open(log) as f:
+                text = f.read()
+    proven_infeasible = "proven infeasible" in text or prob.status == pulp.LpStatusInfeasible
+    if prob.sol_status == pulp.LpSolutionInfeasible or proven_infeasible:
+        return None, SolveResult("infeasible", None, seconds, math.nan)
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        raise SolverError(
+            f"CBC found no plan within {time_limit:g} s (status {pulp.LpStatus[prob.status]}); "
+            "raise time_limit or restrict the options (modes, max_split)"
+        )
+    objective = _OBJECTIVE.findall(text)
+    bound = _BOUND.findall(text)
+    achieved: float | None = None
+    if objective and bound:
+        # CBC's log omits the objective's constant: add it back so that the gap is relative to the whole.
+        constant = prob.objective.constant if prob.objective is not None else 0.0
+        value, lower = float(objective[-1]) + constant, float(bound[-1]) + constant
+        achieved = max((value - lower) / max(abs(value), 1e-12), 0.0)
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible or "Stopped on time" in text:
+        status = "time limit"
+    elif (achieved is not None and achieved > 1e-9) or (achieved is None and "within gap tolerance" in text):
+        status = f"within gap {gap:g}"
+    else:
+        status = "optimal"
+    chosen: dict[Hashable, Hashable] = {}
+    for key, options in be.options.items():
+        chosen[key] = max(options, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0)
+    value = pulp.value(prob.objective)
+    return chosen, SolveResult(status, achieved, seconds, float(value) if value is not None else math.nan)
+
+
+def _footprint(c: SegmentCosts) -> int:
+    """A segment option's memory in one number, for rounding: what it keeps plus its largest transient."""
+    peaks = [v.total for v in (c.fwd_pending, c.fwd_after, *c.bwd.values()) if v is not None]
+    return c.persistent.total + c.grads.total + c.fwd_net.total + c.pending.total + max(peaks, default=0)
+
+
+def _splits(splits: Sequence[int], max_split: int) -> tuple[int, ...]:
+    if max_split < 1:
+        raise ValueError(f"max_split must be >= 1, got {max_split}")
+    return tuple(sorted({1, *(k for k in splits if 1 <= k <= max_split)}))
+
+
+def _ilp_figures(be: LinearBackend, chosen: dict[Hashable, Hashable]) -> tuple[int, float]:
+    ev = be.evaluator(chosen)
+    peak = max(ev(e) for _, e in be.checkpoints) * MIB
+    return round(peak), ev(be.objective) / 1e3
+
+
+def minimum_budget(
+    profile: ModelProfile,
+    world_size: int | None = None,
+    *,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    splits: Sequence[int] = (1, 2, 4, 8),
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+    gap: float = 1e-6,
+    time_limit: float = 10.0,
+) -> int:
+    """The smallest per-device peak (bytes) any plan reaches under the given options: the ILP with the peak as
+    its objective. Budgets below it are infeasible for :func:`solve`."""
+    problem = PlanningProblem(
+        profile,
+        world_size or profile.world_size,
+        modes=modes,
+        splits=_splits(splits, max_split),
+        units=units,
+        config=config,
+    )
+    plan, _ = _minimum(problem, gap=gap, time_limit=time_limit)
+    return problem.predict(plan).peak_bytes
+
+
+def _minimum(problem: PlanningProblem, *, gap: float, time_limit: float) -> tuple[Plan, SolveResult]:
+    be = problem.build()
+    chosen, result = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit)
+    if chosen is None:
+        raise SolverError("the minimum-memory problem is infeasible: this is a bug in the cost model")
+    return problem.plan(chosen), result
+
+
+def solve(
+    profile: ModelProfile,
+    memory_budget: int | str,
+    world_size: int | None = None,
+    *,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    splits: Sequence[int] = (1, 2, 4, 8),
+    gap: float = 1e-3,
+    time_limit: float = 10.0,
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+) -> Plan:
+    """The plan with the smallest predicted step time whose predicted per-device peak fits ``memory_budget``.
+
+    Args:
+        profile: the model's profile (:mod:`lightning_osdp.profiling`).
+        memory_budget: per-device bytes, or a string such as ``"6GiB"``.
+        world_size: ranks (default: the profile's).
+        modes: allowed modes; ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP, ``("shard_grad_op",)`` ZeRO-2.
+        max_split: largest operator-splitting factor (1 disables splitting).
+        splits: split factors to consider (those above ``max_split`` are dropped).
+        gap: CBC's relative optimality gap.
+        time_limit: CBC's time limit in seconds.
+        units: planning units overriding the automatic choice (see ``lightning_osdp/solver/candidates.py``).
+        config: cost-model constants.
+
+    Returns:
+        a :class:`~lightning_osdp.plan.Plan`; ``plan.info`` holds ``status`` (``"optimal"``, ``"within gap X"``
+        or ``"time limit"``), the predicted peak and step time, the budget and the world size.
+
+    Raises:
+        InfeasibleBudgetError: no plan fits; its message states the smallest budget any plan meets and the
+            largest consumers.
+        SolverError: CBC found no solution within ``time_limit``.
+    """
+    from lightning_osdp.budget import parse_memory_budget
+
+    budget = parse_memory_budget(memory_budget)
+    ws = world_size or profile.world_size
+    started = time.perf_counter()
+    problem = PlanningProblem(profile, ws, modes=modes, splits=_splits(splits, max_split), units=units, config=config)
+    be = problem.build()
+    chosen, result = problem.solve_ilp(be, budget=budget, gap=gap, time_limit=time_limit)
+    if chosen is None:
+        raise _infeasible(problem, budget, time_limit)
+    plan = problem.plan(chosen)
+    prediction = problem.predict(plan)
+    ilp_peak, ilp_seconds = _ilp_figures(be, chosen)
+    plan.info = {
+        "source": "lightning_osdp.solver",
+        "status": result.status,
+        "gap": gap,
+        "budget_bytes": budget,
+        "world_size": ws,
+        "predicted_peak_bytes": prediction.peak_bytes,
+        "predicted_step_seconds": prediction.step_seconds,
+        "predicted_peak_at": prediction.peak_at,
+        "ilp_peak_bytes": ilp_peak,
+        "ilp_step_seconds": ilp_seconds,
+        "planning_units": problem.candidates.count,
+        "options": problem.option_count,
+        "modes": list(problem.modes),
+        "splits": list(problem.splits),
+        "solve_seconds": time.perf_counter() - started,
+        "cbc_seconds": result.seconds,
+        "prediction": prediction.to_dict(),
+    }
+    return plan
+
+
+def _infeasible(problem: PlanningProblem, budget: int, time_limit: float) -> InfeasibleBudgetError:
+    plan, _ = _minimum(problem, gap=1e-6, time_limit=time_limit)
+    prediction = problem.predict(plan)
+    minimum = prediction.peak_bytes
+    consumers = _consumers(problem)
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {format_bytes(v)}"
+        for name, v in prediction.peak.as_dict().items()
+        if name != "total" and v > 0
+    )
+    top = "; ".join(f"{name or '<root>'} {format_bytes(b)}" for name, b in consumers[:5])
+    message = (
+        f"no plan fits the memory budget of {format_bytes(budget)} ({budget} bytes) per device on "
+        f"{problem.world_size} ranks: the smallest budget any plan meets is {format_bytes(minimum)} "
+        f"({minimum} bytes), with {plan.summary()} (peak at {prediction.peak_at!r}: {parts}). "
+        f"Largest consumers (parameters, gradients and optimizer state unsharded, plus activations): {top}. "
+        "Raise the budget, add ranks, or reduce the batch size (activations do not shard)."
+    )
+    return InfeasibleBudgetError(message, budget=budget, minimum=minimum, consumers=consumers)
+
+
+def _consumers(problem: PlanningProblem) -> list[tuple[str, int]]:
+    """Segments, tied groups and the highest other modules containing no segment, by unsharded parameter state
+    (parameters, gradients, optimizer state) plus activations."""
+    info = problem.info
+    segments = [s.entry for s in problem.candidates.segments]
+    groups = {g[0]: g for g in problem.candidates.tie_groups}
+    names: list[str] = [*segments, *groups]
+    taken = {n for e in segments for n in info.subtree(e)} | {h for g in groups.values() for h in g}
+    stack = list(info.children[ROOT])
+    while stack:
+        name = stack.pop()
+        if name in taken:
+            continue
+        if any(s in taken for s in info.subtree(name)):
+            stack.extend(info.children[name])
+        else:
+            names.append(name)
+    out = []
+    for name in names:
+        sub = [n for h in groups.get(name, (name,)) for n in info.subtree(h)]
+        state = sum(
+            info.modules[n].param_bytes + info.modules[n].grad_bytes + info.modules[n].optim_state_bytes for n in sub
+        )
+        acts = sum(info.modules[n].activation_bytes for n in sub)
+        out.append((name, state + acts))
+    return sorted(out, key=lambda t: -t[1])

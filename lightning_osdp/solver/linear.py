@@ -1,0 +1,206 @@
+"""Linear expressions over the solver's option binaries, and the timeline backend that produces them.
+
+The ILP works in MiB and milliseconds (byte counts near 1e9 make CBC's tolerances meaningless); values are
+converted back when the plan is reported. See ``lightning_osdp/cost_model/timeline.py`` for why the timeline is
+shared with the predictor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_osdp.cost_model.parts import MemoryParts
+
+__all__ = ["MIB", "LinExpr", "LinearBackend"]
+
+MIB = float(2**20)
+
+
+class LinExpr:
+    """``const + sum(coef * var)`` over variable indices of a :class:`LinearBackend`."""
+
+    __slots__ = ("const", "terms")
+
+    def __init__(self, terms: dict[int, float] | None = None, const: float = 0.0) -> None:
+        self.terms = terms or {}
+        self.const = const
+
+    def __add__(self, other: LinExpr) -> LinExpr:
+        terms = dict(self.terms)
+        for k, v in other.terms.items():
+            terms[k] = terms.get(k, 0.0) + v
+        return LinExpr(terms, self.const + other.const)
+
+    def __sub__(self, other: LinExpr) -> LinExpr:
+        terms = dict(self.terms)
+        for k, v in other.terms.items():
+            terms[k] = terms.get(k, 0.0) - v
+        return LinExpr(terms, self.const - other.const)
+
+    def scaled(self, factor: float) -> LinExpr:
+        return LinExpr({k: v * factor for k, v in self.terms.items()}, self.const * factor)
+
+
+@dataclass
+class Variable:
+    """A binary (``key``/``option`` set) or a continuous auxiliary (``definition`` set, or a maximum)."""
+
+    name: str
+    binary: bool
+    key: Hashable | None = None
+    option: Hashable | None = None
+    lb: float = 0.0
+    ub: float = 0.0
+    definition: LinExpr | None = None
+    maximum_of: list[LinExpr] = field(default_factory=list)
+    product_of: tuple[LinExpr, LinExpr] | None = None
+
+
+class LinearBackend:
+    """Builds the ILP's pieces from the timeline: binaries per (choice, option), auxiliary levels, checkpoints
+    (each becomes ``value <= budget``), and the step-time objective."""
+
+    def __init__(self) -> None:
+        self.variables: list[Variable] = []
+        self.binaries: dict[tuple[Hashable, Hashable], int] = {}
+        self.options: dict[Hashable, list[Hashable]] = {}
+        self.checkpoints: list[tuple[str, LinExpr]] = []
+        self.objective = LinExpr()
+
+    # ------------------------------------------------------------------ variables
+    def register(self, key: Hashable, options: Sequence[Hashable]) -> None:
+        """Declare a choice and its options (exactly one will be 1)."""
+        self.options[key] = list(options)
+        for o in options:
+            self.binaries[(key, o)] = len(self.variables)
+            self.variables.append(Variable(f"x_{len(self.variables)}", True, key, o, 0.0, 1.0))
+
+    def _aux(self, name: str, lb: float, ub: float) -> int:
+        self.variables.append(Variable(f"{_clean(name)}_{len(self.variables)}", False, lb=lb, ub=ub))
+        return len(self.variables) - 1
+
+    # ------------------------------------------------------------------ bounds (for implied fillers)
+    def bounds(self, expr: LinExpr) -> tuple[float, float]:
+        """Lower and upper bounds of ``expr`` over all assignments (one option per choice)."""
+        lo = hi = expr.const
+        by_key: dict[Hashable, dict[Hashable, float]] = {}
+        for i, c in expr.terms.items():
+            var = self.variables[i]
+            if var.binary:
+                by_key.setdefault(var.key, {})[var.option] = c
+            elif c >= 0:
+                lo += c * var.lb
+                hi += c * var.ub
+            else:
+                lo += c * var.ub
+                hi += c * var.lb
+        for key, coefs in by_key.items():
+            values = [coefs.get(o, 0.0) for o in self.options[key]]
+            lo += min(values)
+            hi += max(values)
+        return lo, hi
+
+    # ------------------------------------------------------------------ Backend protocol
+    def const(self, parts: MemoryParts) -> LinExpr:
+        return LinExpr(const=parts.total / MIB)
+
+    def choice(self, key: Hashable, values: Mapping[Hashable, MemoryParts]) -> LinExpr:
+        terms = {self.binaries[(key, o)]: v.total / MIB for o, v in values.items() if v.total}
+        return LinExpr(terms)
+
+    def add(self, a: LinExpr, b: LinExpr) -> LinExpr:
+        return a + b
+
+    def sub(self, a: LinExpr, b: LinExpr) -> LinExpr:
+        return a - b
+
+    def checkpoint(self, label: str, value: LinExpr) -> None:
+        self.checkpoints.append((label, value))
+
+    def checkpoint_options(
+        self,
+        label: str,
+        base: LinExpr,
+        cross: Sequence[LinExpr],
+        key: Hashable,
+        values: Mapping[Hashable, MemoryParts | None],
+    ) -> None:
+        if all(v is None for v in values.values()):
+            return
+        total = base
+        for c in cross:
+            total = total + c
+        # An option that never reaches this instant gets -ub(cross): its row reads base + cross - ub(cross) <=
+        # base, implied by the segment's first instant (a real state), so it never binds.
+        filler = -sum(self.bounds(c)[1] for c in cross)
+        terms = {}
+        for o, v in values.items():
+            coef = v.total / MIB if v is not None else filler
+            if coef:
+                terms[self.binaries[(key, o)]] = coef
+        self.checkpoint(label, total + LinExpr(terms))
+
+    def materialize(self, value: LinExpr, name: str) -> LinExpr:
+        if len(value.terms) <= 1 and not value.const:
+            return value
+        lo, hi = self.bounds(value)
+        i = self._aux(name, lo, hi)
+        self.variables[i].definition = value
+        return LinExpr({i: 1.0})
+
+    def maximum(self, values: Sequence[LinExpr], name: str) -> LinExpr:
+        if not values:
+            return LinExpr()
+        bounds = [self.bounds(v) for v in values]
+        i = self._aux(name, max(b[0] for b in bounds), max(b[1] for b in bounds))
+        self.variables[i].maximum_of = list(values)
+        return LinExpr({i: 1.0})
+
+    def blend(
+        self, key: Hashable, values: Mapping[Hashable, MemoryParts], passthrough: LinExpr, options: Sequence[Hashable]
+    ) -> LinExpr:
+        """``values[o]`` when choice ``key`` takes an option ``o`` in ``values``, ``passthrough`` when it takes one of
+        ``options``: the passthrough part is ``y * passthrough`` with ``y`` the sum of those binaries, linearised
+        exactly (McCormick, ``y`` binary, ``passthrough`` within its bounds)."""
+        own = self.choice(key, values)
+        y = LinExpr({self.binaries[(key, o)]: 1.0 for o in options})
+        lo, hi = self.bounds(passthrough)
+        i = self._aux("blend", min(lo, 0.0), max(hi, 0.0))
+        self.variables[i].product_of = (y, passthrough)
+        return own + LinExpr({i: 1.0})
+
+    def seconds(self, key: Hashable, values: Mapping[Hashable, float]) -> None:
+        terms = {self.binaries[(key, o)]: v * 1e3 for o, v in values.items() if v}
+        self.objective = self.objective + LinExpr(terms)
+
+    def constant_seconds(self, seconds: float) -> None:
+        self.objective = self.objective + LinExpr(const=seconds * 1e3)
+
+    # ------------------------------------------------------------------ evaluation of a chosen assignment
+    def evaluate(self, expr: LinExpr, chosen: Mapping[Hashable, Hashable]) -> float:
+        """``expr`` when choice ``key`` takes option ``chosen[key]`` (auxiliaries from their definitions)."""
+        return self.evaluator(chosen)(expr)
+
+    def evaluator(self, chosen: Mapping[Hashable, Hashable]) -> Callable[[LinExpr], float]:
+        """A function evaluating expressions under ``chosen`` (every auxiliary computed once, in order: a
+        definition only refers to earlier variables)."""
+        values = [0.0] * len(self.variables)
+
+        def ev(e: LinExpr) -> float:
+            return e.const + sum(c * values[i] for i, c in e.terms.items())
+
+        for i, var in enumerate(self.variables):
+            if var.binary:
+                values[i] = 1.0 if chosen.get(var.key) == var.option else 0.0
+            elif var.definition is not None:
+                values[i] = ev(var.definition)
+            elif var.product_of is not None:
+                values[i] = ev(var.product_of[0]) * ev(var.product_of[1])
+            else:
+                values[i] = max(ev(e) for e in var.maximum_of)
+        return ev
+
+
+def _clean(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name)[:40]

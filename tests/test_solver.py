@@ -1,0 +1,265 @@
+"""The planner: the ILP's optimum is the brute-force optimum under the cost model, and its plans keep their word.
+
+Random instances are small chains of Linears (each a planning unit that can be split) and small blocks with
+inner Linears (coarse and fine options); "brute force" enumerates every combination of every unit's options and
+evaluates each plan with ``predict``: independent of how the ILP is assembled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from lightning_osdp.cost_model import predict
+from lightning_osdp.cost_model.structure import ModelInfo
+from lightning_osdp.cost_model.synthetic import gloo_like_collectives, gpt_profile
+from lightning_osdp.plan import MODES, Decision, Plan
+from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
+from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, format_plan, minimum_budget, solve
+from lightning_osdp.solver.candidates import segment_options
+
+
+def _module(name: str, type_: str, shapes: list[list[int]], rng: random.Random) -> ModuleProfile:
+    count = sum(s[0] * (s[1] if len(s) > 1 else 1) for s in shapes)
+    flops = rng.randint(1, 50) * 10**6
+    return ModuleProfile(
+        name=name,
+        type=type_,
+        parent=name.rpartition(".")[0] if name else None,
+        param_count=count,
+        param_bytes=4 * count,
+        param_shapes=shapes,
+        trainable_param_bytes=4 * count,
+        grad_bytes=4 * count,
+        optim_state_bytes=8 * count,
+        optim_scalar_bytes=4 * len(shapes),
+        activation_bytes=rng.randint(0, 40_000),
+        output_bytes=rng.randint(1_000, 20_000),
+        fwd_seconds=flops / 5e10,
+        bwd_seconds=2 * flops / 5e10,
+        fwd_flops=flops,
+    )
+
+
+def random_profile(seed: int, units: int, *, blocks: bool = False, world_size: int = 2) -> ModelProfile:
+    """A chain of ``units`` Linears under the root, or (``blocks``) of blocks with a norm and two Linears."""
+    rng = random.Random(seed)
+    modules = {"": ModuleProfile(name="", type="Net", parent=None, activation_bytes=1_000, output_bytes=4)}
+    for i in range(units):
+        name = f"layer{i}"
+        if blocks:
+            mp = ModuleProfile(
+                name=name,
+                type="Block",
+                parent="",
+                activation_bytes=rng.randint(0, 20_000),
+                output_bytes=rng.randint(1_000, 8_000),
+            )
+            modules[name] = mp
+            modules[""].children.append(name)
+            parts = [(f"{name}.norm", "LayerNorm", [[rng.randint(8, 40)], [rng.randint(8, 40)]])]
+            parts += [(f"{name}.fc{j}", "Linear", [[rng.randint(9, 70), rng.randint(8, 64)], [0]]) for j in (1, 2)]
+            for sub, type_, shapes in parts:
+                if type_ == "Linear":
+                    shapes[1] = [shapes[0][0]]
+                modules[sub] = _module(sub, type_, shapes, rng)
+                mp.children.append(sub)
+        else:
+            rows = rng.randint(5, 300)
+            modules[name] = _module(name, "Linear", [[rows, rng.randint(16, 200)], [rows]], rng)
+            modules[""].children.append(name)
+    return ModelProfile(
+        modules=modules,
+        collectives=gloo_like_collectives(world_size),
+        world_size=world_size,
+        optimizer="AdamW",
+        optim_state_factor=2.0,
+        step_overhead_seconds=0.01,
+        optimizer_step_seconds=0.002,
+        extra_activation_bytes=rng.randint(0, 10_000),
+    )
+
+
+def all_plans(profile: ModelProfile, *, modes=MODES, splits=(1, 2, 4)) -> list[tuple[float, int, Plan]]:
+    """Every combination of every unit's options, with its predicted step time and peak (``predict`` each)."""
+    problem = PlanningProblem(profile, profile.world_size, modes=modes, splits=splits)
+    per_segment = [
+        segment_options(problem.info, candidate, problem.modes, problem.splits)
+        for candidate in problem.candidates.segments
+    ]
+    root_modes = modes if profile.modules[""].param_bytes else modes[:1]
+    out = []
+    for root in root_modes:
+        for combo in itertools.product(*per_segment):
+            decisions = {"": Decision(root)}
+            for option in combo:
+                decisions.update(dict(option.decisions))
+            plan = Plan(decisions)
+            p = predict(profile, plan)
+            out.append((p.step_seconds, p.peak_bytes, plan))
+    return out
+
+
+def brute_force(plans: list[tuple[float, int, Plan]], budget: int) -> float:
+    """The fastest predicted step time among ``plans`` that fit ``budget``."""
+    return min(t for t, peak, _ in plans if peak <= budget)
+
+
+def peaks(profile: ModelProfile) -> tuple[int, int]:
+    low = minimum_budget(profile)
+    units = [s.entry for s in PlanningProblem(profile, profile.world_size).candidates.segments]
+    high = predict(profile, Plan({"": "no_shard", **{u: "no_shard" for u in units}})).peak_bytes
+    return low, high
+
+
+@pytest.mark.parametrize(
+    ("seed", "units", "blocks", "world_size", "splits"),
+    [
+        (0, 3, False, 2, (1, 2, 4)),
+        (1, 4, False, 3, (1, 2)),
+        (2, 3, False, 4, (1, 2, 4)),
+        (3, 2, True, 2, (1, 2, 4)),
+        (5, 2, True, 3, (1, 2)),
+    ],
+)
+def test_ilp_optimum_equals_brute_force_under_the_cost_model(seed, units, blocks, world_size, splits):
+    profile = random_profile(seed, units, blocks=blocks, world_size=world_size)
+    plans = all_plans(profile, splits=splits)
+    low, high = min(p for _, p, _ in plans), max(p for _, p, _ in plans)
+    assert minimum_budget(profile, splits=splits) == low
+    rng = random.Random(seed)
+    for fraction in (rng.uniform(0.02, 0.3), rng.uniform(0.3, 0.7), 1.0):
+        budget = int(low + (high - low) * fraction)
+        plan = solve(profile, budget, splits=splits, gap=1e-9)
+        assert plan.info["predicted_step_seconds"] == pytest.approx(brute_force(plans, budget), rel=1e-9, abs=1e-12)
+        # The ILP's own figures are the predictor's, not an approximation of them.
+        assert plan.info["ilp_step_seconds"] == pytest.approx(plan.info["predicted_step_seconds"], rel=1e-9)
+        assert abs(plan.info["ilp_peak_bytes"] - plan.info["predicted_peak_bytes"]) <= 1
+        assert plan.info["predicted_peak_bytes"] <= budget
+        assert plan.info["status"] == "optimal"
+
+
+def test_a_plan_never_exceeds_the_budget_it_was_solved_for():
+    profile = gpt_profile(depth=6, width=64)
+    low, high = peaks(profile)
+    for fraction in (0.0, 0.1, 0.25, 0.5, 0.75, 1.0):
+        budget = int(low + (high - low) * fraction)
+        plan = solve(profile, budget)
+        assert predict(profile, plan).peak_bytes <= budget
+        assert plan.info["predicted_peak_bytes"] == predict(profile, plan).peak_bytes
+        assert plan.info["budget_bytes"] == budget
+
+
+def test_ample_budget_is_all_no_shard():
+    profile = gpt_profile(depth=4, width=64)
+    plan = solve(profile, "64GiB")
+    assert {d.mode for d in plan.decisions.values()} == {"no_shard"}
+    assert all(d.split == 1 for d in plan.decisions.values())
+
+
+def test_smallest_feasible_budget_is_mostly_full_shard_with_splits():
+    profile = gpt_profile(depth=4, width=64)
+    low = minimum_budget(profile)
+    plan = solve(profile, low)
+    modes = [d.mode for d in plan.decisions.values()]
+    assert modes.count("full_shard") > len(modes) / 2
+    assert any(d.split > 1 for d in plan.decisions.values())
+    assert plan.info["predicted_peak_bytes"] == low
+
+
+@pytest.mark.parametrize(
+    ("modes", "expected"),
+    [(("no_shard",), "no_shard"), (("full_shard",), "full_shard"), (("shard_grad_op",), "shard_grad_op")],
+    ids=["DDP", "FSDP", "ZeRO-2"],
+)
+def test_restricted_options_reproduce_ddp_fsdp_and_zero2(modes, expected):
+    profile = gpt_profile(depth=3, width=64)
+    plan = solve(profile, "64GiB", modes=modes, max_split=1)
+    assert {d.mode for d in plan.decisions.values()} == {expected}
+    assert all(d.split == 1 for d in plan.decisions.values())
+    # One unit per block (plus the root and the tied embedding/head): how DDP buckets and FSDP wraps.
+    blocks = {f"model.blocks.{i}" for i in range(3)}
+    assert blocks <= set(plan.decisions) <= blocks | {"", "model.wte", "model.lm_head", "model.wpe"}
+
+
+def test_infeasible_budget_states_the_smallest_feasible_one():
+    profile = gpt_profile(depth=3, width=64)
+    low = minimum_budget(profile)
+    with pytest.raises(InfeasibleBudgetError) as caught:
+        solve(profile, low - 4096)
+    message = str(caught.value)
+    assert str(low) in message
+    assert caught.value.minimum == low
+    assert "model.blocks" in message  # the largest consumers are named
+    assert solve(profile, low).info["predicted_peak_bytes"] <= low
+
+
+def test_tied_holders_take_one_mode_and_no_split():
+    profile = gpt_profile(depth=3, width=64, vocab=4096)  # a large tied embedding/head: its own group
+    low, high = peaks(profile)
+    for fraction in (0.0, 0.5, 1.0):
+        plan = solve(profile, int(low + (high - low) * fraction))
+        wte, head = plan.decisions.get("model.wte"), plan.decisions.get("model.lm_head")
+        assert (wte is None) == (head is None)
+        if wte is not None:
+            assert wte == head and wte.split == 1
+
+
+def test_plan_info_records_how_it_was_solved():
+    profile = gpt_profile(depth=2, width=64)
+    plan = solve(profile, "1GiB", world_size=2)
+    info = plan.info
+    assert info["status"] == "optimal" or info["status"].startswith(("within gap", "time limit"))
+    for key in ("predicted_peak_bytes", "predicted_step_seconds", "budget_bytes", "world_size", "planning_units"):
+        assert key in info
+    assert info["world_size"] == 2 and info["budget_bytes"] == 2**30
+    assert Plan.from_dict(plan.to_dict()).info["status"] == info["status"]
+
+
+def test_format_plan_prints_units_totals_and_peak_against_budget():
+    profile = gpt_profile(depth=2, width=64)
+    low, high = peaks(profile)
+    plan = solve(profile, (low + high) // 2)
+    text = format_plan(plan, predict(profile, plan), rich_markup=False)
+    lines = text.splitlines()
+    assert lines[0].startswith("OSDP plan:")
+    assert any(line.startswith("model.blocks.0") for line in lines)
+    assert any(line.startswith("total") for line in lines)
+    assert "of budget" in text and "predicted step" in text
+    fancy = format_plan(plan, predict(profile, plan), rich_markup=True)
+    assert "model.blocks.0" in fancy
+
+
+def test_planning_units_group_blocks_and_offer_their_large_linears_for_splitting():
+    profile = gpt_profile(depth=2, width=64)
+    problem = PlanningProblem(profile, 2, splits=(1, 2, 4, 8))
+    segments = {s.entry: s.inner for s in problem.candidates.segments}
+    assert set(segments) >= {"model.blocks.0", "model.blocks.1"}
+    assert segments["model.blocks.0"] == ("model.blocks.0.attn.qkv", "model.blocks.0.mlp.fc", "model.blocks.0.mlp.proj")
+    assert problem.candidates.tie_groups == (("model.wte", "model.lm_head"),)
+    info = ModelInfo(profile, 2, problem.config)
+    assert info.splittable("model.lm_head") == 1  # a tied holder is never split
+
+
+def test_invalid_options_are_rejected():
+    profile = gpt_profile(depth=1, width=32)
+    with pytest.raises(ValueError, match="modes"):
+        solve(profile, "1GiB", modes=("ddp",))
+    with pytest.raises(ValueError, match="max_split"):
+        solve(profile, "1GiB", max_split=0)
+
+
+def test_units_override_the_automatic_choice():
+    profile = gpt_profile(depth=2, width=64)
+    units = ["model.blocks.0", "model.blocks.0.mlp.fc", "model.blocks.1"]
+    problem = PlanningProblem(profile, 2, units=units, splits=(1, 2))
+    assert [(s.entry, s.inner) for s in problem.candidates.segments] == [
+        ("model.blocks.0", ("model.blocks.0.mlp.fc",)),
+        ("model.blocks.1", ()),
+    ]
+    plan = solve(profile, minimum_budget(profile, units=units, splits=(1, 2)), units=units, splits=(1, 2))
+    assert set(plan.decisions) <= {"", *units}
+    with pytest.raises(ValueError, match="not modules"):
+        PlanningProblem(profile, 2, units=["model.nope"])
