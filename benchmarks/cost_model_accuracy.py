@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="steps skipped after the memory-tracked ones")
     parser.add_argument("--rounds", type=int, default=3)

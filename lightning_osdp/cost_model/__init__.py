@@ -45,20 +45,25 @@ Time
 ----
 ``step = compute + sum over units (exposed communication + copies + optimizer + overhead)``, where
 
-* ``compute`` is the profiled forward and backward time of every module plus the step's constant overhead
-  (the profile's step overhead less its optimizer step, which is modelled per unit);
-* communication per unit comes from the profile's ``alpha + bytes / beta`` fits: ``full_shard`` 2 all-gathers
-  and a reduce-scatter, ``shard_grad_op`` 1 all-gather and a reduce-scatter, ``no_shard`` an all-reduce of the
-  gradients; a ``split=k`` Linear pays ``k`` calls of about ``1/k`` of the bytes;
+* ``compute`` is the profiled forward and backward time of every module, plus the profile's step overhead less its
+  optimizer step (modelled per unit), plus the training loop around the step (Lightning's closure and hooks,
+  ``self.log(..., sync_dist=True)``: ``framework_seconds``);
+* communication per unit comes from the profile's ``alpha + bytes / beta`` fits, plus a synchronisation cost per
+  blocking call (in training the ranks do not enter a collective together, as they do when it is fitted):
+  ``full_shard`` 2 all-gathers and a reduce-scatter, ``shard_grad_op`` 1 all-gather and a reduce-scatter,
+  ``no_shard`` an all-reduce of the gradients; a ``split=k`` Linear pays ``k`` calls of about ``1/k`` of the bytes;
 * exposed communication is ``max(0, communication - overlap * compute of the unit's modules)``: FSDP2 prefetches
   the next all-gather during the current unit's compute and reduces during the next backward compute. On CPU
   ``overlap`` is 0 (gloo collectives block the calling thread; FSDP2's streams are no-ops), so every
   collective is exposed; on CUDA it is 1;
-* copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in, replicate's parameter
-  copy) at the memory-copy bandwidth; the optimizer step is proportional to the unit's local trainable bytes;
-  each unit costs a fixed hook overhead, each extra slice a call overhead and its share of ``torch.cat``.
+* copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in, replicate's parameter and
+  gradient copies) at the copy bandwidth;
+* the optimizer step is proportional to the unit's local trainable bytes (the profile's measured rate), plus a
+  DTensor-dispatch cost per parameter tensor (FSDP2's parameters are DTensors, the profiled ones are not);
+* overhead is a fixed cost per unit and per parameter tensor (FSDP2's hooks, views and DTensor wrappers in every
+  forward and backward), and per extra slice of a split Linear (a call, and its share of ``torch.cat``).
 
-See :class:`CostModelConfig` for the constants and where they come from.
+The constants are in :class:`CostModelConfig`; ``config.py`` [Note: calibration] says how each was measured.
 """
 
 from lightning_osdp.cost_model.config import CostModelConfig

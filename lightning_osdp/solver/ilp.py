@@ -328,16 +328,24 @@ class PlanningProblem:
                 if achieved <= gap:
                     status = "optimal" if achieved <= 1e-9 else f"within gap {gap:g}"
                     return rounded, SolveResult(status, max(achieved, 0.0), time.perf_counter() - started, value)
-        # 2. Branch and bound (the rounded plan, when it fits, is kept if CBC finds nothing better).
+        # 2. Branch and bound. With a rounded plan that fits, CBC only looks for plans better than it by more than the
+        #    gap (a cutoff): "infeasible" then proves the rounded plan is within the gap of the optimum.
         left = max(time_limit - (time.perf_counter() - started), 1.0)
         # CBC's relative gap ignores the objective's constant (the compute time every plan pays); the gap asked
         # for is relative to the predicted step time, so it is also given as an absolute gap.
         absolute = gap * abs(lower) if lower is not None and budget is not None else None
-        chosen, result = _run_cbc(prob, be, xs, gap=gap, absolute_gap=absolute, time_limit=left, start=rounded)
-        if chosen is not None and rounded is not None:
+        constant = prob.objective.constant if prob.objective is not None else 0.0
+        cutoff = None
+        if rounded is not None:
+            cutoff = score(rounded)[1] * (1 - gap) - constant
+        chosen, result = _run_cbc(prob, be, xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff)
+        if rounded is not None:
+            if chosen is None:
+                status = "optimal" if gap <= 1e-9 else f"within gap {gap:g}"
+                return rounded, SolveResult(status, gap, time.perf_counter() - started, score(rounded)[1])
             c_top, c_value = score(chosen)
             if (rhs is not None and c_top > rhs) or score(rounded)[1] < c_value:
-                chosen = rounded  # nothing better than the start (see _run_cbc)
+                chosen = rounded
         return chosen, dataclasses.replace(result, seconds=time.perf_counter() - started)
 
     def _neighbourhood(
@@ -368,9 +376,7 @@ class PlanningProblem:
                 x.lowBound = x.upBound = value
                 fixed.append(x)
         try:
-            chosen, _ = _run_cbc(
-                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), start=start
-            )
+            chosen, _ = _run_cbc(prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0))
         except SolverError:
             chosen = None
         finally:
@@ -493,18 +499,21 @@ def _run_cbc(
     gap: float,
     absolute_gap: float | None,
     time_limit: float,
-    start: dict[Hashable, Hashable] | None,
+    cutoff: float | None = None,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound; ``start`` (a plan that fits, or None) is the caller's fallback, not passed to CBC.
+    """Branch and bound; with ``cutoff`` (objective without its constant) only better plans are searched.
 
     NOTE: CBC 2.10.3 (pulp's bundled one) mishandles MIP starts on this model: given a feasible start it can
     report the problem "proven infeasible" while better plans exist, and pulp then reads the status as optimal and
-    returns the values of an infeasible LP. So no start is passed; the caller keeps the better of CBC's plan and
-    its own, and checks both against the budget.
+    returns the values of an infeasible LP. So no start is passed (the caller keeps its own plan and checks CBC's
+    against the budget and its own); a cutoff says the same thing without the start's values.
     """
     with tempfile.TemporaryDirectory(prefix="osdp_cbc_") as tmp:
         log = os.path.join(tmp, "cbc.log")
-        solver = pulp.PULP_CBC_CMD(msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log)
+        options = [f"cutoff {cutoff!r}"] if cutoff is not None else []
+        solver = pulp.PULP_CBC_CMD(
+            msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=options
+        )
         started = time.perf_counter()
         prob.solve(solver)
         seconds = time.perf_counter() - started
@@ -535,8 +544,8 @@ def _run_cbc(
     else:
         status = "optimal"
     chosen: dict[Hashable, Hashable] = {}
-    for key, options in be.options.items():
-        chosen[key] = max(options, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0)
+    for key, choices in be.options.items():
+        chosen[key] = max(choices, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0)
     value = pulp.value(prob.objective)
     return chosen, SolveResult(status, achieved, seconds, float(value) if value is not None else math.nan)
 
