@@ -43,7 +43,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
-from lightning_osdp.apply import OSDPModule, apply_plan
+from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
@@ -149,7 +149,7 @@ class OSDPStrategy(ParallelStrategy):
             raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
         self._state_dict_type: osdp_checkpoint.StateDictType = state_dict_type
         self._monitor: StepMonitor | None = None
-        self._root: OSDPModule | None = None
+        self._root: OSDPModule | ReplicatedModule | None = None
         self.num_nodes = 1
 
     # ------------------------------------------------------------------ what users read
@@ -268,7 +268,7 @@ class OSDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        existing: OSDPModule | None = getattr(module, _ROOT_ATTRIBUTE, None)
+        existing: OSDPModule | ReplicatedModule | None = getattr(module, _ROOT_ATTRIBUTE, None)
         if existing is not None:
             # The module was sharded by an earlier `fit` (this Trainer's, whose `validate/test` re-connects the bare
             # LightningModule, or another Trainer's): FSDP2 applies once per module, so the plan stays.
@@ -475,7 +475,10 @@ class OSDPStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient reduction while accumulating: FSDP2 keeps unsharded gradients until the last micro-batch."""
-        if isinstance(self.model, OSDPModule):
+        if isinstance(self.model, ReplicatedModule):
+            with self.model.no_sync():
+                yield None
+        elif isinstance(self.model, OSDPModule):
             self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
             try:
                 yield None

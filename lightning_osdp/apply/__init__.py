@@ -2,6 +2,7 @@
 
 from lightning_osdp.apply.executor import (
     OSDPModule,
+    ReplicatedModule,
     Unit,
     apply_plan,
     fsdp_modules,
@@ -12,6 +13,7 @@ from lightning_osdp.apply.split import SplitLinear, split_linear
 
 __all__ = [
     "OSDPModule",
+    "ReplicatedModule",
     "SplitLinear",
     "Unit",
     "apply_plan",

@@ -13,6 +13,13 @@ claims, a positional-embedding ``nn.Parameter`` on the LightningModule, say). Th
 FSDP2's lazy init fails with a ``replicate``d root above a ``fully_shard([a, b])`` group ("FSDP requires a
 single root module") while a ``fully_shard`` root above a ``replicate`` unit works.
 
+[Note: a plan that shards nothing]
+When every decision is ``no_shard`` the executor hands the model to ``torch.nn.parallel.DistributedDataParallel``
+itself (:class:`ReplicatedModule`), exactly as Lightning's DDP strategy does. FSDP2's ``replicate`` computes the
+same thing, but its parameters are DTensors: every optimizer step pays DTensor dispatch per parameter tensor, and
+each unit adds hooks, which made an all-``no_shard`` plan ~10% slower than DDP on the CPU benchmark. Mixed plans
+keep ``replicate`` for their ``no_shard`` units: its parameters live in the same FSDP2 tree as the sharded ones.
+
 [Note: tied parameters]
 A parameter shared by two modules (embedding and LM head) must live in one FSDP2 group. When the owners fall in
 different units, those units are applied as one list group ``fully_shard([a, b])`` and must agree on the mode;
@@ -25,14 +32,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.plan import ROOT, Plan, PlanError
 
-__all__ = ["OSDPModule", "Unit", "apply_plan", "fsdp_modules", "local_parameter_bytes", "plan_units"]
+__all__ = [
+    "OSDPModule",
+    "ReplicatedModule",
+    "Unit",
+    "apply_plan",
+    "fsdp_modules",
+    "local_parameter_bytes",
+    "plan_units",
+]
 
 
 class _RootUnit(nn.Module):
@@ -61,6 +78,16 @@ class OSDPModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.root_unit(*args, **kwargs)
+
+
+class ReplicatedModule(DistributedDataParallel):
+    """A plan that shards nothing, run by PyTorch's DDP (see [Note: a plan that shards nothing]). ``.module``
+    is the model, ``.plan`` the plan applied to it."""
+
+    def __init__(self, module: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+        device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
+        super().__init__(module, device_ids=device_ids, process_group=mesh.get_group())
+        self.plan = plan
 
 
 @dataclass(frozen=True)
@@ -148,8 +175,9 @@ def apply_plan(
     *,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
-) -> OSDPModule:
-    """Shard ``module`` in place as ``plan`` says and return the FSDP2 root :class:`OSDPModule` around it.
+) -> OSDPModule | ReplicatedModule:
+    """Shard ``module`` in place as ``plan`` says and return the FSDP2 root :class:`OSDPModule` around it (a
+    :class:`ReplicatedModule`, i.e. DDP, when the plan shards nothing).
 
     Args:
         module: the model (a LightningModule, or any ``nn.Module``); modules named in ``plan`` with
@@ -165,6 +193,8 @@ def apply_plan(
     for name, decision in plan.decisions.items():
         if decision.split > 1:
             split_linear(module, name, decision.split)
+    if all(d.mode == "no_shard" for d in plan.decisions.values()):
+        return ReplicatedModule(module, plan, mesh)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
