@@ -34,12 +34,12 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from gpt import GPTModule
-
 from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp.cost_model import predict
 from lightning_osdp.profiling import profile
 from lightning_osdp.solver import minimum_budget, solve
+
+from gpt import GPTModule
 
 
 class RandomTokens(Dataset[torch.Tensor]):

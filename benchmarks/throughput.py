@@ -28,11 +28,11 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from gpt import GPTModule
-
 import lightning_osdp
 from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp.memory import LiveStorageTracker
+
+from gpt import GPTModule
 
 
 class RandomTokens(Dataset[torch.Tensor]):
@@ -104,7 +104,8 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         cls = FSDPGradOpBaseline
         strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     elif case.startswith("osdp@"):
-        strategy = OSDPStrategy(memory_budget=case.split("@", 1)[1])
+        budget = case.split("@", 1)[1]
+        strategy = OSDPStrategy(memory_budget=int(budget) if budget.isdigit() else budget, plan_out=args.plan_out)
     elif case.startswith("osdp:"):
         spec = case.split(":", 1)[1]
         model_for_names = cls(**kwargs)
@@ -145,9 +146,8 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("cases", nargs="+")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and run shape shared by the benchmarks."""
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
@@ -156,6 +156,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--memory-steps", type=int, default=2)
+    parser.add_argument("--plan-out", default="/tmp/osdp_benchmark_plan.json", help="where OSDP saves its plans")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("cases", nargs="+")
+    add_model_arguments(parser)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     assert lightning_osdp.OSDPStrategy.strategy_name == "osdp"

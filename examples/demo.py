@@ -18,12 +18,12 @@ import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpt"))
 
-from gpt import GPTModule
-from stdlib_text import StdlibTextDataModule
-
 import lightning_osdp
 from lightning_osdp import OSDPStrategy
 from lightning_osdp.budget import format_bytes
+
+from gpt import GPTModule
+from stdlib_text import StdlibTextDataModule
 
 
 def main(argv: list[str] | None = None) -> None:

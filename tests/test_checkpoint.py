@@ -21,8 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, child_env, torchrun
-from models import TinyGPT
 from torch import nn
 
 from lightning_osdp import Decision, Plan
@@ -37,6 +35,9 @@ from lightning_osdp.checkpoint.keys import (
     optimizer_state_to_native,
     split_state_keys,
 )
+
+from conftest import ROOT, child_env, torchrun
+from models import TinyGPT
 
 RUNNER = ROOT / "tests" / "distributed" / "checkpoint_runner.py"
 # The runner's `fit` also runs the one-rank cases in this process.

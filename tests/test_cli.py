@@ -17,8 +17,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import ROOT, child_env
-from models import TinyGPT, loaders
 
 from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp.cli import main
@@ -35,6 +33,9 @@ from lightning_osdp.cli.hardware import (
 )
 from lightning_osdp.cli.model import build_on_meta, discover_cli_model, import_object, read_configs
 from lightning_osdp.cli.output import Output, plain_table
+
+from conftest import ROOT, child_env
+from models import TinyGPT, loaders
 
 GPT_FILE = ROOT / "examples" / "gpt" / "gpt.py"
 GPT_CONFIG = ROOT / "examples" / "gpt" / "configs" / "osdp_budget.yaml"

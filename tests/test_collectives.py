@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import torchrun
 
 from lightning_osdp.profiling import (
     COLLECTIVE_OPS,
@@ -17,6 +16,8 @@ from lightning_osdp.profiling import (
     fit_collective,
     fit_latency_throughput,
 )
+
+from conftest import torchrun
 
 SIZES = [4096 * 4**k for k in range(7)]
 

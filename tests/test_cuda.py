@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import ROOT, torchrun
 
 pytestmark = [
@@ -15,9 +16,10 @@ pytestmark = [
 def test_measured_peak_is_the_allocators_peak() -> None:
     """On CUDA the strategy's peak is ``torch.cuda.max_memory_allocated`` over the step, nothing else."""
     import lightning as L
-    from models import TinyGPT, loaders
 
     from lightning_osdp import OSDPStrategy, Plan
+
+    from models import TinyGPT, loaders
 
     model = TinyGPT(width=48, hidden=192)
     train, _ = loaders()

@@ -41,6 +41,7 @@ def test_python_snippets_run(page: Path, tmp_path: Path, monkeypatch: pytest.Mon
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_osdp import Plan
+
     from models import TinyGPT, loaders
 
     class CappedTrainer(lightning.Trainer):
@@ -67,6 +68,7 @@ def test_yaml_configs_build_the_strategy(page: Path, tmp_path: Path) -> None:
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_osdp import OSDPStrategy, Plan
+
     from models import TinyGPT
 
     plan_file = Plan.uniform(TinyGPT(), "full_shard").save(tmp_path / "plan.json")

@@ -22,10 +22,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import ROOT, child_env
 
 from lightning_osdp import OSDPStrategy, Plan, parse_memory_budget
 from lightning_osdp.apply import plan_units
+
+from conftest import ROOT, child_env
 
 GPT_DIR = ROOT / "examples" / "gpt"
 MIXER_DIR = ROOT / "examples" / "mixer"

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from models import TinyGPT
 from torch import nn
 
 from lightning_osdp import Plan, PlanError, SplitLinear, apply_plan
@@ -18,6 +17,8 @@ from lightning_osdp.apply.state_dict import (
     unmerge_split_optimizer_state,
     unmerge_split_state,
 )
+
+from models import TinyGPT
 
 
 def test_tied_holders_in_different_units_form_one_group() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from conftest import ROOT, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from models import TinyGPT
 from torch import nn
 
 from lightning_osdp import Decision, Plan, PlanError, default_units
 from lightning_osdp.plan import PLAN_FORMAT, PLAN_VERSION
+
+from models import TinyGPT
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from models import TinyGPT, loaders
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -22,6 +21,8 @@ from lightning_osdp.profiling import (
     format_profile,
     profile,
 )
+
+from models import TinyGPT, loaders
 
 BYTE_FIELDS = (
     "param_count",

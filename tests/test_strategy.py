@@ -9,10 +9,11 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from models import TinyGPT, loaders
 
 import lightning_osdp
 from lightning_osdp import OSDPStrategy, Plan, PlanError
+
+from models import TinyGPT, loaders
 
 
 def _trainer(strategy: object, **kwargs: object) -> L.Trainer:

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gpt import GPTModule
 
 from lightning_osdp import Decision, Plan
+
+from gpt import GPTModule
 
 __all__ = ["ARCHITECTURE", "main", "merge_configs", "mixed_plan", "plan_path_of"]
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 
-from gpt import GPTModule
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from stdlib_text import StdlibTextDataModule
 
 import lightning_osdp  # registers strategy="osdp" with Lightning
+
+from gpt import GPTModule
+from stdlib_text import StdlibTextDataModule
 
 __all__ = ["GPTCLI", "final_report", "main"]
 

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from mixer import MixerModule
 
 from lightning_osdp import Decision, Plan
+
+from mixer import MixerModule
 
 __all__ = ["main", "model_kwargs", "shape_plan"]
 

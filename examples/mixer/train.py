@@ -14,10 +14,11 @@ import math
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from mixer import MixerModule
-from synthetic_images import SyntheticImageDataModule
 
 import lightning_osdp  # registers strategy="osdp" with Lightning
+
+from mixer import MixerModule
+from synthetic_images import SyntheticImageDataModule
 
 __all__ = ["MixerCLI", "final_report", "main"]
 

@@ -76,6 +76,15 @@ class InfeasibleBudgetError(ValueError):
         self.minimum = minimum
         self.consumers = consumers
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only fields: the default reduction would call __init__(message) alone. The strategy broadcasts
+        # this error from rank 0 to every rank.
+        return (_rebuild_infeasible, (str(self), self.budget, self.minimum, self.consumers))
+
+
+def _rebuild_infeasible(message: str, budget: int, minimum: int, consumers: list[tuple[str, int]]) -> Any:
+    return InfeasibleBudgetError(message, budget=budget, minimum=minimum, consumers=consumers)
+
 
 class SolverError(RuntimeError):
     """CBC found no solution (for example, none within the time limit)."""

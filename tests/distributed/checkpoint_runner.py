@@ -22,10 +22,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import TinyGPT, loaders
-
 from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp import checkpoint as ckpt
+
+from models import TinyGPT, loaders
 
 PLANS: dict[str, dict[str, Any]] = {
     # Tied embedding and head as their own sharded group, split operators in a sharded block (as runner.py).

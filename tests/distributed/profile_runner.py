@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import TinyGPT, loaders
-
 from lightning_osdp.profiling import benchmark_collectives, profile
+
+from models import TinyGPT, loaders
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import TinyGPT, loaders
-
 import lightning_osdp
 from lightning_osdp import OSDPStrategy, Plan
+
+from models import TinyGPT, loaders
 
 MIXED = {
     "": "no_shard",
