@@ -22,6 +22,11 @@ def free_port() -> int:
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for a child process: quiet, single-threaded, and importing this checkout."""
     env = dict(os.environ)
+    # In-process Lightning runs of earlier tests leave their rendezvous in os.environ (a port this process still
+    # holds, ranks): a child that inherited them would wait for peers that never come.
+    for key in ("MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(key, None)
+    env["MASTER_PORT"] = str(free_port())
     env.update(
         PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
         OMP_NUM_THREADS="1",
