@@ -177,3 +177,30 @@ def test_automatic_plan_is_checked_against_the_measured_step(tmp_path: Path) -> 
     assert check is not None and check.memory_ratio is not None and check.time_ratio is not None
     # Memory is predicted within the 10% (time depends on the machine's load; see the benchmark).
     assert abs(check.memory_ratio - 1) <= 0.10, check.message
+
+
+def test_resume_reuses_the_saved_plan_and_profile_unless_the_budget_changed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    train, _ = loaders()
+    first = OSDPStrategy(memory_budget="1GiB", plan_out=tmp_path / "plan.json")
+    trainer = _trainer(first)
+    trainer.fit(TinyGPT(), train)
+    trainer.save_checkpoint(tmp_path / "step2.ckpt")
+    assert first.profile is not None and first.plan is not None
+
+    same = OSDPStrategy(memory_budget="1GiB", plan_out=tmp_path / "plan2.json")
+    with caplog.at_level("INFO"):
+        _trainer(same, max_steps=3).fit(TinyGPT(), train, ckpt_path=tmp_path / "step2.ckpt")
+    assert "reusing the plan saved in" in caplog.text
+    assert same.plan is not None and same.plan.decisions == first.plan.decisions
+    # No profiling: the profile is the saved one, figure for figure (a new profile would have re-measured times).
+    assert same.profile is not None and same.profile.to_dict() == first.profile.to_dict()
+    assert not (tmp_path / "plan2.json").exists()
+
+    caplog.clear()
+    changed = OSDPStrategy(memory_budget="2GiB", plan_out=tmp_path / "plan3.json")
+    with caplog.at_level("INFO"):
+        _trainer(changed, max_steps=3).fit(TinyGPT(), train, ckpt_path=tmp_path / "step2.ckpt")
+    assert "re-planning: the memory budget changed" in caplog.text
+    assert (tmp_path / "plan3.json").exists()

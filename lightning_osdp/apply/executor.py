@@ -86,7 +86,8 @@ class ReplicatedModule(DistributedDataParallel):
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
         device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
-        super().__init__(module, device_ids=device_ids, process_group=mesh.get_group())
+        # Gradients as views into the communication buckets: no second copy of them (the cost model counts one).
+        super().__init__(module, device_ids=device_ids, process_group=mesh.get_group(), gradient_as_bucket_view=True)
         self.plan = plan
 
 

@@ -54,7 +54,10 @@ def main() -> None:
     ddp = predict(prof, Plan.uniform(model, "no_shard"), 2).peak_bytes
     # Budgets as a user passes them: the planner plans against (1 - headroom) of each.
     budgets = [int(x / (1 - HEADROOM)) + 1 for x in (low, (low + ddp) / 2, ddp)]
-    results = [{"budget": b, **fit(OSDPStrategy(memory_budget=b, memory_headroom=HEADROOM))} for b in budgets]
+    results = [
+        {"budget": b, **fit(OSDPStrategy(memory_budget=b, memory_headroom=HEADROOM, plan_out=out / f"plan{i}.json"))}
+        for i, b in enumerate(budgets)
+    ]
     if dist.get_rank() == 0:
         torch.save({"low": low, "ddp": ddp, "results": results}, out / "budgets.pt")
 
