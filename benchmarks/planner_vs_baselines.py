@@ -6,7 +6,8 @@ Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/planner_vs_
    ModelParallelStrategy with FULL_SHARD and SHARD_GRAD_OP (peak memory and throughput; they do not depend on
    the budget).
 2. Profiles the model and asks the solver for the smallest budget any plan meets (``minimum_budget``); the
-   largest budget swept is DDP's measured peak (its requirement).
+   largest budget swept is DDP's requirement as a budget given to OSDP: DDP's measured peak divided by
+   ``1 - memory_headroom`` (the planner keeps that fraction free, so at DDP's bare peak it could not choose DDP).
 3. For ``--budgets`` budgets evenly spaced between the two, trains with ``OSDPStrategy(memory_budget=b)``
    (profile, solve, apply, train) and measures it the same way.
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from lightning_osdp import minimum_budget, profile
+from lightning_osdp import OSDPStrategy, minimum_budget, profile
 from lightning_osdp.budget import format_bytes
 
 from gpt import GPTModule
@@ -55,8 +56,9 @@ def main() -> None:
     args = parser.parse_args()
 
     baselines = {case: run_case(case, args) for case in ("ddp", "fsdp_full", "fsdp_grad_op")}
-    low = smallest_budget(args)
-    high = baselines["ddp"]["peak_bytes"]
+    headroom = OSDPStrategy().memory_headroom
+    low = int(smallest_budget(args) / (1 - headroom)) + 1
+    high = int(baselines["ddp"]["peak_bytes"] / (1 - headroom)) + 1
     budgets = [int(low + (high - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
     rows: list[dict[str, Any]] = []
     for budget in budgets:
@@ -78,7 +80,10 @@ def main() -> None:
     print(f"{'baseline':<14}{'samples/s':>10}{'peak':>12}")
     for name, row in baselines.items():
         print(f"{name:<14}{row['samples_per_s']:>10.1f}{format_bytes(row['peak_bytes']):>12}")
-    print(f"smallest feasible budget (solver): {format_bytes(low)}; DDP's measured peak: {format_bytes(high)}\n")
+    print(
+        f"budgets from the smallest feasible one ({format_bytes(low)}) to DDP's requirement ({format_bytes(high)}: "
+        f"its measured peak over 1 - {headroom:.0%} planner headroom)\n"
+    )
     print(
         f"{'budget':>11}{'OSDP/s':>9}{'OSDP peak':>12}{'fits':>6}{'best baseline':>15}{'vs best':>9}{'vs FULL':>9}"
         "  plan"

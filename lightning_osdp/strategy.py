@@ -174,6 +174,11 @@ class OSDPStrategy(ParallelStrategy):
         return self._memory_budget
 
     @property
+    def memory_headroom(self) -> float:
+        """The fraction of the budget the planner keeps free."""
+        return self._memory_headroom
+
+    @property
     def profile(self) -> ModelProfile | None:
         """The model profile the plan was solved from (``None`` when a plan was given)."""
         return self._profile
