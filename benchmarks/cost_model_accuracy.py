@@ -30,8 +30,9 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
 from lightning_osdp import OSDPStrategy, Plan
@@ -40,17 +41,7 @@ from lightning_osdp.profiling import profile
 from lightning_osdp.solver import minimum_budget, solve
 
 from gpt import GPTModule
-
-
-class RandomTokens(Dataset[torch.Tensor]):
-    def __init__(self, n: int, length: int) -> None:
-        self.data = torch.randint(0, 256, (n, length + 1), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i]
+from throughput import RandomTokens
 
 
 def make_model(args: argparse.Namespace) -> GPTModule:
