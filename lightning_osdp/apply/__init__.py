@@ -5,8 +5,6 @@ from lightning_osdp.apply.executor import (
     ReplicatedModule,
     Unit,
     apply_plan,
-    fsdp_modules,
-    local_parameter_bytes,
     plan_units,
 )
 from lightning_osdp.apply.split import SplitLinear, split_linear
@@ -17,8 +15,6 @@ __all__ = [
     "SplitLinear",
     "Unit",
     "apply_plan",
-    "fsdp_modules",
-    "local_parameter_bytes",
     "plan_units",
     "split_linear",
 ]

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp.apply.split import split_linear
@@ -46,8 +46,6 @@ __all__ = [
     "ReplicatedModule",
     "Unit",
     "apply_plan",
-    "fsdp_modules",
-    "local_parameter_bytes",
     "plan_units",
 ]
 
@@ -209,11 +207,6 @@ def apply_plan(
     return root
 
 
-def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
-    """Every FSDP2-managed module under ``root`` (replicate units included)."""
-    return [m for m in root.modules() if isinstance(m, FSDPModule)]
-
-
 def _shard(target: nn.Module | list[nn.Module], mode: str, kwargs: dict[str, Any]) -> None:
     if mode == "no_shard":
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -254,12 +247,3 @@ def _bottom_up(units: Sequence[Unit]) -> list[Unit]:
         ordered.extend(ready)
         remaining = [u for u in remaining if u not in ready]
     return ordered
-
-
-def local_parameter_bytes(module: nn.Module) -> int:
-    """Bytes of the parameters this rank holds (local shards of DTensors)."""
-    total = 0
-    for p in module.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
