@@ -11,7 +11,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
+from lightning_osdp.apply.clip import use_mixed_clipping
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
@@ -316,6 +317,7 @@ class OSDPStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         _use_sharded_grad_scaler(self.precision_plugin)
+        use_mixed_clipping(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -499,18 +501,19 @@ class OSDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient reduction while accumulating: FSDP2 keeps unsharded gradients until the last micro-batch."""
-        if isinstance(self.model, ReplicatedModule):
-            with self.model.no_sync():
+        """No gradient reduction while accumulating: DDP and FSDP2 keep unsharded gradients until the last
+        micro-batch."""
+        model = self.model
+        sharded = model.sharded if isinstance(model, ReplicatedModule) else model
+        with model.no_sync() if isinstance(model, ReplicatedModule) else nullcontext():
+            if not isinstance(sharded, OSDPModule):
                 yield None
-        elif isinstance(self.model, OSDPModule):
-            self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+                return
+            sharded.set_requires_gradient_sync(False)  # type: ignore[operator]
             try:
                 yield None
             finally:
-                self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
-        else:
-            yield None
+                sharded.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -7,9 +7,10 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_osdp import Plan, PlanError, SplitLinear, apply_plan
-from lightning_osdp.apply import OSDPModule, plan_units
+from lightning_osdp.apply import OSDPModule, ReplicatedModule, plan_units
 from lightning_osdp.apply.state_dict import (
     merge_split_optimizer_state,
     merge_split_state,
@@ -116,7 +117,10 @@ def test_one_rank_training_equals_plain_training(world1: object) -> None:
     reference = copy.deepcopy(model)
     plan = Plan({"": "no_shard", "h.0": "full_shard", "h.1": "shard_grad_op", "h.1.fc": ("full_shard", 2)})
     root = apply_plan(model, plan, mesh=world1)  # type: ignore[arg-type]
-    assert isinstance(root, OSDPModule) and root.module is model
+    # The root's leftovers are no_shard: plain tensors under DDP, around the FSDP2 root of the sharded units.
+    assert isinstance(root, ReplicatedModule) and isinstance(root.sharded, OSDPModule)
+    assert root.sharded.module is model
+    assert not isinstance(model.wte.weight, DTensor) and isinstance(model.h[0].fc.weight, DTensor)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
     tokens = torch.randint(0, 37, (4, 9), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
@@ -132,3 +136,26 @@ def test_one_rank_training_equals_plain_training(world1: object) -> None:
     )
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clipping_a_mix_of_plain_and_sharded_gradients_equals_torch(world1: object, norm_type: float) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_osdp.apply.clip import clip_grad_norm_
+
+    torch.manual_seed(0)
+    mixed = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    reference = copy.deepcopy(mixed)
+    fully_shard(mixed[1], mesh=world1)  # type: ignore[arg-type]
+    x = torch.randn(4, 6)
+    for model in (mixed, reference):
+        model(x).pow(2).sum().backward()
+    assert isinstance(mixed[1].weight.grad, DTensor) and not isinstance(mixed[0].weight.grad, DTensor)
+    got = clip_grad_norm_(mixed.parameters(), 0.5, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5, norm_type)
+    torch.testing.assert_close(got, want)
+    assert got > 0.5  # the gradients were clipped
+    for a, b in zip(mixed.parameters(), reference.parameters(), strict=True):
+        grad = a.grad.full_tensor() if isinstance(a.grad, DTensor) else a.grad
+        torch.testing.assert_close(grad, b.grad)

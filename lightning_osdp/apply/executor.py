@@ -9,16 +9,23 @@ around the LightningModule and makes *that* the FSDP2 root.
 
 The root is two levels: ``OSDPModule`` (``fully_shard``, no parameters of its own; it only carries the root
 hooks) around ``_RootUnit`` (the root decision ``""``: the LightningModule's parameters that no other unit
-claims, a positional-embedding ``nn.Parameter`` on the LightningModule, say). The extra level exists because
-FSDP2's lazy init fails with a ``replicate``d root above a ``fully_shard([a, b])`` group ("FSDP requires a
-single root module") while a ``fully_shard`` root above a ``replicate`` unit works.
+claims, a positional-embedding ``nn.Parameter`` on the LightningModule, say; ``fully_shard``ed when the root
+decision is sharded, left plain for DDP when it is ``no_shard``).
 
-[Note: a plan that shards nothing]
-When every decision is ``no_shard`` the executor hands the model to ``torch.nn.parallel.DistributedDataParallel``
-itself (:class:`ReplicatedModule`), exactly as Lightning's DDP strategy does. FSDP2's ``replicate`` computes the
-same thing, but its parameters are DTensors: every optimizer step pays DTensor dispatch per parameter tensor, and
-each unit adds hooks, which made an all-``no_shard`` plan ~10% slower than DDP on the CPU benchmark. Mixed plans
-keep ``replicate`` for their ``no_shard`` units: its parameters live in the same FSDP2 tree as the sharded ones.
+[Note: the replicated part runs on DDP]
+FSDP2's ``replicate`` would run a ``no_shard`` unit, but its parameters are DTensors: every optimizer step pays
+DTensor dispatch per parameter tensor, each unit adds hooks and copies its parameters in every forward, and every
+unit all-reduces on its own. On the CPU benchmark an all-``no_shard`` plan ran ~10% slower than DDP under it, and
+a plan with two of four blocks ``no_shard`` no faster than sharding all four. So ``no_shard`` parameters stay plain
+tensors, and ``torch.nn.parallel.DistributedDataParallel`` all-reduces their gradients in buckets during backward,
+exactly as Lightning's DDP strategy does (gradients as bucket views: no second copy of them):
+
+* a plan that shards nothing is DDP over the LightningModule (:class:`ReplicatedModule` around it);
+* a mixed plan ``fully_shard``s its sharded units with the plain parameters passed as ``ignored_params`` (the
+  root too), and DDP wraps the FSDP2 root with the DTensor parameters on its ignore list
+  (:class:`ReplicatedModule` around :class:`OSDPModule`). FSDP2 reduces its units' gradients in its own hooks,
+  DDP the rest; neither touches the other's parameters;
+* a plan with no trainable ``no_shard`` parameter is the FSDP2 root alone (:class:`OSDPModule`).
 
 [Note: tied parameters]
 A parameter shared by two modules (embedding and LM head) must live in one FSDP2 group. When the owners fall in
@@ -36,6 +43,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp.apply.split import split_linear
@@ -79,14 +87,23 @@ class OSDPModule(nn.Module):
 
 
 class ReplicatedModule(DistributedDataParallel):
-    """A plan that shards nothing, run by PyTorch's DDP (see [Note: a plan that shards nothing]). ``.module``
-    is the model, ``.plan`` the plan applied to it."""
+    """PyTorch's DDP over the plain (``no_shard``) parameters of a plan (see [Note: the replicated part runs on
+    DDP]). ``.module`` is what it wraps: the model when the plan shards nothing, else the :class:`OSDPModule`
+    whose DTensor parameters it ignores. ``.plan`` is the plan applied."""
 
     def __init__(self, module: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
         device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
+        sharded = [n for n, p in module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
+        if sharded:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sharded)
         # Gradients as views into the communication buckets: no second copy of them (the cost model counts one).
         super().__init__(module, device_ids=device_ids, process_group=mesh.get_group(), gradient_as_bucket_view=True)
         self.plan = plan
+
+    @property
+    def sharded(self) -> OSDPModule | None:
+        """The FSDP2 root of a mixed plan's sharded units; ``None`` when the plan shards nothing."""
+        return self.module if isinstance(self.module, OSDPModule) else None
 
 
 @dataclass(frozen=True)
@@ -175,8 +192,9 @@ def apply_plan(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> OSDPModule | ReplicatedModule:
-    """Shard ``module`` in place as ``plan`` says and return the FSDP2 root :class:`OSDPModule` around it (a
-    :class:`ReplicatedModule`, i.e. DDP, when the plan shards nothing).
+    """Shard ``module`` in place as ``plan`` says and return the module to train: the FSDP2 root
+    :class:`OSDPModule` around it, within a :class:`ReplicatedModule` (DDP) when some trainable parameters are
+    ``no_shard`` (see [Note: the replicated part runs on DDP]).
 
     Args:
         module: the model (a LightningModule, or any ``nn.Module``); modules named in ``plan`` with
@@ -197,23 +215,32 @@ def apply_plan(
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    # Bottom-up: a no_shard unit's parameters (those no deeper sharded unit took) stay plain, and every later
+    # fully_shard is told to leave them to DDP.
+    plain: set[nn.Parameter] = set()
     for unit in units:
         targets = [module.get_submodule(n) for n in unit.names]
-        _shard(targets if len(targets) > 1 else targets[0], unit.mode, kwargs)
+        if unit.mode == "no_shard":
+            plain.update(p for t in targets for p in t.parameters() if not isinstance(p, DTensor))
+        else:
+            fully_shard(
+                targets if len(targets) > 1 else targets[0],
+                reshard_after_forward=(unit.mode == "full_shard"),
+                ignored_params=set(plain),
+                **kwargs,
+            )
     root = OSDPModule(module, plan)
     root_mode = plan.decisions[ROOT].mode if ROOT in plan.decisions else "no_shard"
-    _shard(root.root_unit, root_mode, kwargs)
-    fully_shard(root, reshard_after_forward=False, **kwargs)
-    return root
-
-
-def _shard(target: nn.Module | list[nn.Module], mode: str, kwargs: dict[str, Any]) -> None:
-    if mode == "no_shard":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate(target, **kwargs)
+    if root_mode == "no_shard":
+        plain.update(p for p in module.parameters() if not isinstance(p, DTensor))
     else:
-        fully_shard(target, reshard_after_forward=(mode == "full_shard"), **kwargs)
+        fully_shard(
+            root.root_unit, reshard_after_forward=(root_mode == "full_shard"), ignored_params=set(plain), **kwargs
+        )
+    fully_shard(root, reshard_after_forward=False, ignored_params=set(plain), **kwargs)
+    if any(p.requires_grad for p in plain):
+        return ReplicatedModule(root, plan, mesh)
+    return root
 
 
 def _shared_parameter_owners(module: nn.Module) -> dict[str, list[str]]:

@@ -55,23 +55,24 @@ PLANS: dict[str, dict[str, Any]] = {
 
 
 class GradSyncProbe(Callback):
-    """Records, after each backward, whether a replicated and a sharded gradient are equal across ranks."""
+    """Records, after each backward, how far a replicated gradient differs across ranks and whether a sharded
+    gradient exists yet."""
 
     def __init__(self) -> None:
         self.records: list[tuple[int, float | None]] = []
+        self.sharded: list[tuple[int, bool]] = []
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         batch = trainer.fit_loop.epoch_loop.batch_idx
-        grad = pl_module.ln_f.weight.grad  # in the root unit (no_shard in the mixed plan)
-        if grad is None:
-            # Under FSDP2 a parameter's `.grad` is set by the gradient reduction: None means none ran.
+        # Under FSDP2 a sharded parameter's `.grad` is set by the gradient reduction: None means none ran.
+        sharded = pl_module.h[0].ln_1.weight.grad  # full_shard in the mixed plan
+        self.sharded.append((batch, sharded is not None))
+        grad = pl_module.ln_f.weight.grad  # in the root unit (no_shard in the mixed plan: a plain tensor under DDP)
+        if grad is None or hasattr(grad, "placements"):
             self.records.append((batch, None))
             return
-        if hasattr(grad, "placements") and not grad.placements[0].is_replicate():
-            return  # only a replicated gradient is comparable across ranks
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local.contiguous())
+        gathered = [torch.zeros_like(grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, grad.contiguous())
         spread = float((gathered[0] - gathered[1]).abs().max())
         self.records.append((batch, spread))
 
@@ -123,6 +124,7 @@ def run(case: str, out: Path) -> None:
         "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "state": state if dist.get_rank() == 0 else None,
         "grad_sync": probe.records,
+        "sharded_grad": probe.sharded,
         "peak_memory_bytes": getattr(trainer.strategy, "peak_memory_bytes", None),
         "step_time": getattr(trainer.strategy, "step_time", None),
         "plan": trainer.strategy.plan.to_dict() if name != "ddp" else None,

@@ -1,0 +1,64 @@
+"""Gradient-norm clipping over a plan's mix of replicated (plain tensor) and sharded (DTensor) gradients.
+
+``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms of all gradients in one ``foreach`` call, which
+refuses a list mixing ``torch.Tensor`` and ``DTensor`` ("got mixed torch.Tensor and DTensor"): exactly what a
+mixed plan has (``no_shard`` parameters stay plain for DDP, sharded ones are DTensors). The total norm is the
+norm of the two partial norms: the DTensor part's norm is reduced over the mesh (``full_tensor``), the plain
+part's is the same on every rank (its gradients are already all-reduced). Each part is then scaled by the same
+coefficient with torch's own ``clip_grads_with_norm_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+__all__ = ["clip_grad_norm_", "use_mixed_clipping"]
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for parameters that may mix plain tensors and DTensors.
+
+    Returns the total norm of all gradients (a plain tensor, the same on every rank). With only plain or only
+    DTensor gradients it computes what torch's function computes.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    sharded = [p for p in params if isinstance(p.grad, DTensor)]
+    plain = [p for p in params if not isinstance(p.grad, DTensor)]
+    norms: list[Tensor] = []
+    if sharded:
+        grads = [p.grad for p in sharded if p.grad is not None]
+        norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if plain:
+        grads = [p.grad for p in plain if p.grad is not None]
+        norms.append(get_total_norm(grads, norm_type, error_if_nonfinite, foreach))
+    if not norms:
+        return torch.tensor(0.0)
+    total = norms[0] if len(norms) == 1 else get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
+    for group in (plain, sharded):
+        if group:
+            clip_grads_with_norm_(group, max_norm, total, foreach)
+    return total
+
+
+def use_mixed_clipping(precision: Any) -> None:
+    """Make a Lightning precision plugin clip by norm with :func:`clip_grad_norm_` (its own method calls
+    ``torch.nn.utils.clip_grad_norm_`` on the optimizer's parameters, which fails on a mixed plan)."""
+
+    def clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    precision.clip_grad_by_norm = MethodType(clip_grad_by_norm, precision)
