@@ -17,6 +17,7 @@ CONFIG = CostModelConfig(
     collective_sync_seconds=5e-4,
     optimizer_seconds_per_tensor=2e-4,
     framework_seconds=1e-3,
+    ddp_bucket_bytes=120,  # two of the test Linear's gradients fill one DDP bucket
 )
 
 
@@ -86,13 +87,16 @@ def test_no_shard_bytes_by_hand():
     profile = one_linear()
     prediction = predict(profile, Plan({"": "no_shard", "a": "no_shard"}), config=CONFIG)
     (unit,) = [u for u in prediction.units if u.name == "a"]
+    # DDP: the parameters and their gradient bucket (kept all run, a view is `.grad`), AdamW's state.
     assert unit.kept == MemoryParts(parameters=60, gradients=60, optimizer_states=128)
-    assert unit.gathered == 60  # replicate's unsharded copy; no all-gather buffer
-    # Peak at the loss: kept state 248, activations 100 + loss 20 + logits 60, the replicated copy 60.
-    assert prediction.peak_at == "loss"
-    assert prediction.peak == MemoryParts(
-        parameters=60, gradients=60, optimizer_states=128, activations=180, gathered_parameters=60
-    )
+    assert unit.gathered == 0  # plain tensors: nothing is gathered or copied
+    instants = dict(prediction.instants)
+    assert instants["step start"] == 248  # zero_grad drops the views, not the bucket
+    assert instants["loss"] == 248 + 100 + 20 + 60  # activations, loss, logits
+    # Peak in a's backward: kept state 248, autograd's gradient before DDP copies it into the bucket (60), a's
+    # saved activations (100) and its output gradient (60).
+    assert prediction.peak_at == "backward a"
+    assert prediction.peak == MemoryParts(parameters=60, gradients=120, optimizer_states=128, activations=160)
 
 
 def test_step_time_by_hand():
@@ -108,8 +112,10 @@ def test_step_time_by_hand():
     optimizer = 40 * 6e-3 / 60 + 2 * 2e-4  # the optimizer steps the local shard only; two DTensors
     assert full.step_seconds == pytest.approx(8e-3 + 2 * gather + reduce + copies + optimizer + 1e-4)
     ddp = predict(profile, Plan({"": "no_shard", "a": "no_shard"}), config=CONFIG)
-    all_reduce = 5e-4 + 60 / 2e6 + 5e-4
-    assert ddp.step_seconds == pytest.approx(8e-3 + all_reduce + 180 / 1e6 + 6e-3 + 2 * 2e-4 + 1e-4)
+    # DDP: the bytes over the fitted bandwidth, and half a call's latency and wait (60 of a 120-byte bucket).
+    all_reduce = 60 / 2e6 + (5e-4 + 5e-4) * 60 / 120
+    # Gradients copied into the bucket; the optimizer steps plain tensors (no DTensor cost), no FSDP2 hooks.
+    assert ddp.step_seconds == pytest.approx(8e-3 + all_reduce + 60 / 1e6 + 6e-3)
 
 
 def test_padding_follows_fsdp2_dim0_rule():
@@ -121,7 +127,8 @@ def test_padding_follows_fsdp2_dim0_rule():
     assert b.grad == 24 and b.grad_full == 60
     assert b.optim == 120 * 24 // 60 + 4
     replicated = unit_bytes([p], "no_shard", 4, optim_tensor_bytes=120, optim_scalar_bytes=4)
-    assert replicated.params == replicated.gathered == replicated.grad == 60 and replicated.flat == 0
+    assert replicated.params == replicated.bucket == replicated.grad_full == 60
+    assert replicated.gathered == replicated.flat == replicated.grad == replicated.reduce_input == 0
 
 
 def test_more_sharding_is_less_memory_and_more_time():

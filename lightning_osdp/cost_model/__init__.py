@@ -7,18 +7,19 @@ gradients and the optimizer state are live) to the end of ``optimizer_step``.
 
 Memory
 ------
-Each decided module is one FSDP2 unit covering the parameters no decided descendant covers (a ``split=k``
-Linear is ``k`` units, one per slice; tied holders in different units are one list group). Per unit, with
-``P`` its parameters, FSDP2 pads dim 0 to a multiple of the world size ``N`` (``shard(P) = ceil(rows/N) * row``):
+Each decided module is one unit covering the parameters no decided descendant covers (a ``split=k`` Linear is
+``k`` units, one per slice; tied holders in different units are one list group): an FSDP2 unit when sharded, plain
+tensors under DDP when ``no_shard``. Per unit, with ``P`` its parameters, FSDP2 pads dim 0 to a multiple of the
+world size ``N`` (``shard(P) = ceil(rows/N) * row``):
 
 =================  =============================  =============================  ==========================
-                   ``no_shard`` (replicate)       ``shard_grad_op``              ``full_shard``
+                   ``no_shard`` (DDP)             ``shard_grad_op``              ``full_shard``
 =================  =============================  =============================  ==========================
-kept all step      ``P`` + opt(``P``)             ``shard(P)`` + opt(shard)      ``shard(P)`` + opt(shard)
-gradient kept      ``P``                          ``shard(P)``                   ``shard(P)``
-gathered           ``P`` copy, forward->backward  ``N*shard(P)``, fwd->bwd       ``N*shard(P)``, own fwd, own bwd
+kept all step      ``P`` + opt(``P``) + bucket P  ``shard(P)`` + opt(shard)      ``shard(P)`` + opt(shard)
+gradient kept      in the bucket (kept all run)   ``shard(P)``                   ``shard(P)``
+gathered           none                           ``N*shard(P)``, fwd->bwd       ``N*shard(P)``, own fwd, own bwd
 all-gather buffer  none                           ``N*shard(P)``                 ``N*shard(P)``
-reduction          input ``P``, output ``P``      input ``N*shard(P)``           input ``N*shard(P)``
+reduction          in place, in the bucket        input ``N*shard(P)``           input ``N*shard(P)``
 =================  =============================  =============================  ==========================
 
 The step is walked as a timeline of instants (``timeline.py``); the predicted peak is the largest:
@@ -51,17 +52,19 @@ Time
 * communication per unit comes from the profile's ``alpha + bytes / beta`` fits, plus a synchronisation cost per
   blocking call (in training the ranks do not enter a collective together, as they do when it is fitted):
   ``full_shard`` 2 all-gathers and a reduce-scatter, ``shard_grad_op`` 1 all-gather and a reduce-scatter,
-  ``no_shard`` an all-reduce of the gradients; a ``split=k`` Linear pays ``k`` calls of about ``1/k`` of the bytes;
+  ``no_shard`` its gradients' bytes in DDP's bucketed all-reduce, and the share of one call's latency and wait
+  that its bytes fill of a bucket; a ``split=k`` Linear pays ``k`` calls of about ``1/k`` of the bytes;
 * exposed communication is ``max(0, communication - overlap * compute of the unit's modules)``: FSDP2 prefetches
   the next all-gather during the current unit's compute and reduces during the next backward compute. On CPU
   ``overlap`` is 0 (gloo collectives block the calling thread; FSDP2's streams are no-ops), so every
   collective is exposed; on CUDA it is 1;
-* copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in, replicate's parameter and
-  gradient copies) at the copy bandwidth;
-* the optimizer step is proportional to the unit's local trainable bytes (the profile's measured rate), plus a
-  DTensor-dispatch cost per parameter tensor (FSDP2's parameters are DTensors, the profiled ones are not);
-* overhead is a fixed cost per unit and per parameter tensor (FSDP2's hooks, views and DTensor wrappers in every
-  forward and backward), and per extra slice of a split Linear (a call, and its share of ``torch.cat``).
+* copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in) and DDP's copy of each
+  gradient into its bucket, at the copy bandwidth;
+* the optimizer step is proportional to the unit's local trainable bytes (the profile's measured rate), plus, for
+  sharded units, a DTensor-dispatch cost per parameter tensor (FSDP2's parameters are DTensors, DDP's are not);
+* overhead, for sharded units, is a fixed cost per unit and per parameter tensor (FSDP2's hooks, views and DTensor
+  wrappers in every forward and backward), and per extra slice of a split Linear (a call, and its share of
+  ``torch.cat``).
 
 The constants are in :class:`CostModelConfig`; ``config.py`` [Note: calibration] says how each was measured.
 """

@@ -11,10 +11,9 @@ __all__ = ["CostModelConfig", "ResolvedConfig"]
 # [Note: calibration]
 # Defaults measured on the development machine (2 x86 cores shared by two ranks, torch 2.13 CPU, gloo, fp32), from
 # FSDP2 runs of the example GPT (torch.profiler) and micro-benchmarks:
-# * FSDP2's copies around collectives (foreach copy-in, split_with_sizes copy-out, chunk_cat, replicate's copies)
-#   cost ~1 ms per step for each 1 MiB unit under replicate and ~0.6 ms under fully_shard on one rank (3-4 MiB
-#   copied): ~3 GB/s. (A profile's ``info["copy_bytes_per_second"]``, measured on small cache-hot buffers, is
-#   several times faster: not used.)
+# * FSDP2's copies around collectives (foreach copy-in, split_with_sizes copy-out, chunk_cat) cost ~0.6 ms per
+#   step for each 1 MiB unit under fully_shard on one rank (3-4 MiB copied): ~3 GB/s. (A profile's
+#   ``info["copy_bytes_per_second"]``, measured on small cache-hot buffers, is several times faster: not used.)
 # * One FSDP2 unit costs ~0.35 ms of hooks per step on CPU, plus ~85 us per parameter tensor (views and DTensor
 #   wrappers made in every forward and backward): units of 1 or 8 Linear(8, 8) layers under fully_shard or
 #   replicate on one rank cost +0.5-0.65 ms and +1.6-1.9 ms each.
@@ -32,6 +31,8 @@ _DEFAULT_COPY_BYTES_PER_SECOND = 3e9
 _OPTIMIZER_SECONDS_PER_BYTE = {"Adam": 2.2e-9, "AdamW": 2.2e-9, "SGD": 0.8e-9}
 _OPTIMIZER_TEMPORARIES = {"Adam": 2.0, "AdamW": 2.0, "SGD": 0.0}
 _CPU_COLLECTIVE_SYNC_SECONDS = 2e-3
+# DDP's `bucket_cap_mb` default (25 MiB); its first bucket is smaller (1 MiB), which the model ignores.
+_DDP_BUCKET_BYTES = 25 * 2**20
 _CPU_FRAMEWORK_SECONDS = 12e-3
 # NOTE: not measured on CUDA; Lightning's loop is the same Python, the collectives behind `sync_dist` are faster.
 _CUDA_FRAMEWORK_SECONDS = 5e-3
@@ -46,7 +47,7 @@ class CostModelConfig:
             collectives block the calling thread, and FSDP2's streams are no-ops there, so nothing overlaps) and
             1 on CUDA (all-gathers and reduce-scatters run on their own streams).
         copy_bytes_per_second: memory-copy bandwidth of FSDP2's own copies (all-gather copy-in/out,
-            reduce-scatter copy-in, replicate's parameter copy).
+            reduce-scatter copy-in) and of DDP's gradient copy into its buckets.
         optimizer_seconds_per_byte: optimizer-step time per byte of local trainable parameters (default: the
             profile's ``optimizer_step_seconds`` over its trainable bytes).
         optimizer_seconds_per_tensor: extra optimizer-step time per parameter tensor: FSDP2's parameters are
@@ -64,6 +65,8 @@ class CostModelConfig:
             backward, and its slice's hooks beyond ``unit_overhead_seconds``).
         optimizer_temporaries: temporaries of the optimizer step, as multiples of the largest local parameter
             (single-tensor Adam allocates ``sqrt(v)`` and its quotient: 2).
+        ddp_bucket_bytes: DDP's bucket size: ``no_shard`` gradients are all-reduced in calls of this many bytes,
+            so each call's latency is shared by the units whose gradients fill it.
     """
 
     overlap: float | None = None
@@ -76,6 +79,7 @@ class CostModelConfig:
     framework_seconds: float | None = None
     split_overhead_seconds: float = 1e-4
     optimizer_temporaries: float | None = None
+    ddp_bucket_bytes: int = _DDP_BUCKET_BYTES
 
     def resolve(self, profile: ModelProfile) -> ResolvedConfig:
         """Fill the ``None`` fields from ``profile`` (device, optimizer type, measured figures)."""
@@ -121,6 +125,7 @@ class CostModelConfig:
             split_overhead_seconds=self.split_overhead_seconds,
             optimizer_temporaries=float(temporaries),
             step_overhead_seconds=constant + framework,
+            ddp_bucket_bytes=self.ddp_bucket_bytes,
         )
 
 
@@ -139,3 +144,4 @@ class ResolvedConfig:
     split_overhead_seconds: float
     optimizer_temporaries: float
     step_overhead_seconds: float
+    ddp_bucket_bytes: int

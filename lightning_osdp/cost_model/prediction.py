@@ -256,7 +256,9 @@ def _unit_predictions(units: Sequence[LocalUnit]) -> list[UnitPrediction]:
         first = us[0]
         kept = sum(
             (
-                MemoryParts(parameters=u.bytes.params, gradients=u.bytes.grad, optimizer_states=u.bytes.optim)
+                MemoryParts(
+                    parameters=u.bytes.params, gradients=u.bytes.grad + u.bytes.bucket, optimizer_states=u.bytes.optim
+                )
                 for u in us
             ),
             ZERO,

@@ -208,11 +208,23 @@ def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
             comm += collective_seconds(profile, "reduce_scatter", b.reduce_input, ws) + sync
             copies += b.reduce_input / copy
     else:
+        # DDP: the unit's gradients share buckets with other no_shard units' and are all-reduced a bucket at a
+        # time; the call's latency (and the ranks' synchronisation) is paid once per bucket, so a unit pays the
+        # share of it its bytes fill. Autograd's gradients are copied into the buckets; the parameters are plain
+        # tensors (no DTensor dispatch in the optimizer, no FSDP2 hooks).
         comm = 0.0
-        copies = b.gathered / copy
-        if b.trainable:
-            comm += collective_seconds(profile, "all_reduce", b.grad, ws) + sync
-            copies += (b.reduce_input + b.grad) / copy
+        if b.trainable and ws > 1:
+            fit_bytes = collective_seconds(profile, "all_reduce", b.bucket, ws)
+            alpha = profile.collectives["all_reduce"].alpha_seconds
+            comm = fit_bytes - alpha + (alpha + sync) * b.bucket / cfg.ddp_bucket_bytes
+        copies = b.bucket / copy
+        return UnitTime(
+            communication=comm,
+            exposed=max(0.0, comm - cfg.overlap * compute),
+            copies=copies,
+            optimizer=b.bucket * cfg.optimizer_seconds_per_byte,
+            compute=compute,
+        )
     if ws <= 1:
         comm = 0.0
     exposed = max(0.0, comm - cfg.overlap * compute)

@@ -290,7 +290,7 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
         final_net=final_net,
         final_reduce_input=final_reduce,
         has_final=bool(deferred),
-        persistent=sum((_params(u.params) + MemoryParts(optimizer_states=u.optim) for u in b), ZERO),
+        persistent=sum((_params(u.params) + MemoryParts(optimizer_states=u.optim) + _grads(u.bucket) for u in b), ZERO),
         grads=sum((_grads(u.grad) for u in b), ZERO),
         optimizer_temp=MemoryParts(optimizer_states=round(optimizer_temporaries * largest)),
         seconds=sum(u.time.added for u in units),
@@ -415,7 +415,7 @@ def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
     grads = be.const(ZERO)
     globals_ = [g for g in spec.globals if any(u.bytes.param_count for u in g.options.values())]
     for g in globals_:
-        persistent = be.add(persistent, be.add(pick(g, "params"), pick(g, "optim")))
+        persistent = be.add(persistent, be.add(be.add(pick(g, "params"), pick(g, "optim")), pick(g, "bucket")))
         grads = be.add(grads, pick(g, "grad"))
     segments = [s for s in spec.items if isinstance(s, SegmentChoice)]
     for s in segments:
@@ -556,7 +556,7 @@ def _parts_for(attr: str, value: int) -> MemoryParts:
         return _params(value)
     if attr in ("optim",):
         return MemoryParts(optimizer_states=value)
-    if attr in ("grad", "grad_full"):
+    if attr in ("grad", "grad_full", "bucket"):
         return _grads(value)
     if attr in ("gathered",):
         return _gathered(value)

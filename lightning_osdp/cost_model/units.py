@@ -11,13 +11,17 @@ size of parameter ``p`` and ``row(p)`` the elements per row.
   the shards in, all-gathers, then copies out into one unsharded tensor per parameter (the same total). In
   forward the flat buffer is kept until the *next* unit copies out (``AllGatherState``); in backward it is
   freed right after the copy-out.
-* ``replicate`` (no_shard) keeps the full parameter and, in its world-size-1 all-gather path, copies it into a
-  second, unsharded tensor in every forward: a replicated unit also has "gathered" parameters, from its
-  forward to its backward.
 * The reduction (``foreach_reduce``) allocates a reduce-scatter input of ``ws * sum(padded shard)`` of the
   trainable parameters, copies the unsharded gradients in (and drops them), then allocates the output
-  (``sum(padded shard)``; the full size for ``replicate``, which all-reduces it): the output *is* the sharded
-  gradient the optimizer reads, one storage per unit. The input is kept alive until the next unit's reduction.
+  (``sum(padded shard)``): the output *is* the sharded gradient the optimizer reads, one storage per unit. The
+  input is kept alive until the next unit's reduction.
+
+``no_shard`` parameters are not FSDP2's: they stay plain tensors under DDP (the executor's [Note: the replicated
+part runs on DDP]), with ``gradient_as_bucket_view=True``. DDP allocates its buckets (the full trainable bytes)
+once, at construction, and they live for the whole run: ``zero_grad(set_to_none=True)`` drops the ``.grad``
+views, not the buckets. In backward, autograd's gradient of each parameter is copied into its bucket slot and
+dropped, and the bucket is all-reduced in place. So a ``no_shard`` unit keeps ``P`` parameters and a ``P``
+bucket, gathers nothing and has no reduction buffer of its own.
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ class ParamSpec:
         return math.ceil(self.rows / world_size) * self.row_numel * self.itemsize
 
     def gathered_bytes(self, world_size: int, sharded: bool) -> int:
-        """Bytes of the all-gather output (padded) or of replicate's unsharded copy."""
+        """Bytes of the all-gather output (padded); 0 when replicated (nothing is gathered)."""
         if not sharded:
-            return self.nbytes
+            return 0
         return self.local_bytes(world_size, True) * world_size
 
 
@@ -99,11 +103,13 @@ class UnitBytes:
     Attributes:
         mode: the unit's mode.
         params: parameter bytes kept between steps (padded shards, or full replicas).
-        gathered: unsharded parameters while the unit is gathered.
+        gathered: unsharded parameters while the unit is gathered (0 for ``no_shard``).
         flat: the all-gather output buffer (0 for ``no_shard``).
-        grad: the sharded gradient (reduction output) the optimizer reads, kept into the next step.
-        grad_full: unsharded gradients autograd produces before the reduction.
-        reduce_input: the reduce-scatter input buffer.
+        grad: the sharded gradient (reduction output) the optimizer reads, kept into the next step (0 for
+            ``no_shard``: its gradients live in ``bucket``).
+        grad_full: unsharded gradients autograd produces before the reduction (or the copy into the bucket).
+        reduce_input: the reduce-scatter input buffer (0 for ``no_shard``: DDP all-reduces its bucket in place).
+        bucket: DDP's gradient buckets for the unit's trainable parameters (``no_shard`` only), kept all run.
         optim: optimizer state of the local shards.
         largest_local: the largest local trainable parameter (the optimizer step's temporaries scale with it).
         param_count: elements of the unit's parameters (unsharded).
@@ -127,6 +133,7 @@ class UnitBytes:
     trainable: bool
     n_params: int
     n_trainable: int = 0
+    bucket: int = 0
 
     @property
     def sharded(self) -> bool:
@@ -161,10 +168,11 @@ def unit_bytes(
         mode=mode,
         params=sum(p.local_bytes(world_size, sharded) for p in params),
         gathered=gathered,
-        flat=gathered if sharded else 0,
-        grad=local_trainable,
+        flat=gathered,
+        grad=local_trainable if sharded else 0,
         grad_full=full_trainable,
         reduce_input=sum(p.gathered_bytes(world_size, sharded) for p in trainable),
+        bucket=0 if sharded else full_trainable,
         optim=round(optim_tensor_bytes * share + optim_scalar_bytes),
         largest_local=max((p.local_bytes(world_size, sharded) for p in trainable), default=0),
         param_count=sum(p.numel for p in params),

@@ -7,7 +7,7 @@ What ``torch.distributed.fsdp`` (FSDP2, ``_fsdp_collectives.py``) issues in torc
   deprecated alias), before forward and (``full_shard``) again before backward;
 * ``reduce_scatter``: ``dist.reduce_scatter_single`` of the unit's flat gradients with ``ReduceOp.AVG`` (fp32
   and bf16 gradients; gloo supports both the op and AVG), after backward of a sharded unit;
-* ``all_reduce``: ``dist.all_reduce`` with ``ReduceOp.AVG``, the gradients of a ``replicate`` (``no_shard``)
+* ``all_reduce``: ``dist.all_reduce`` with ``ReduceOp.AVG``, the gradients of a DDP (``no_shard``)
   unit, whose reduce-scatter group has size 1 and so costs nothing.
 
 ``bytes`` is the *full* buffer of each call (the gathered output, the reduce-scatter input, the all-reduce

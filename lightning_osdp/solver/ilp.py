@@ -402,7 +402,9 @@ class PlanningProblem:
         footprint: dict[Hashable, dict[Hashable, float]] = {}
         for g in self.spec.globals:
             footprint[g.key] = {
-                o: float(u.bytes.params + u.bytes.optim + u.bytes.grad + u.bytes.gathered + u.bytes.flat)
+                o: float(
+                    u.bytes.params + u.bytes.optim + u.bytes.grad + u.bytes.bucket + u.bytes.gathered + u.bytes.flat
+                )
                 for o, u in g.options.items()
             }
         for item in self.spec.items:
