@@ -2,7 +2,7 @@
 
 Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/planner_vs_baselines.py [--width ...]``.
 
-1. Measures the baselines once: Lightning's DDP strategy, and FSDP2 applied per block by Lightning's
+1. Measures the baselines: Lightning's DDP strategy, and FSDP2 applied per block by Lightning's
    ModelParallelStrategy with FULL_SHARD and SHARD_GRAD_OP (peak memory and throughput; they do not depend on
    the budget).
 2. Profiles the model and asks the solver for the smallest budget any plan meets (``minimum_budget``); the
@@ -10,10 +10,14 @@ Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/planner_vs_
    ``1 - memory_headroom`` (the planner keeps that fraction free, so at DDP's bare peak it could not choose DDP).
 3. For ``--budgets`` budgets evenly spaced between the two, trains with ``OSDPStrategy(memory_budget=b)``
    (profile, solve, apply, train) and measures it the same way.
+4. Repeats every case for ``--rounds`` rounds, interleaved (each round runs all cases, in a rotated order), so
+   that load on a shared machine hits every case alike; OSDP's later rounds train with the plan its first round
+   chose (saved by ``plan_out``). Throughput is the median over rounds, peak memory the largest.
 
 Prints, per budget: OSDP's throughput and measured peak (and whether it stayed under the budget), the best
-baseline whose measured peak fits the budget, and the ratios to it and to FULL_SHARD. Every figure comes from
-the same callback (wall time per training batch, CPU live-storage peak), see ``benchmarks/throughput.py``.
+baseline whose measured peak fits the budget, the ratios to it and to FULL_SHARD (of the medians, and their
+range over the rounds). Every figure comes from the same callback (wall time per training batch, CPU
+live-storage peak), see ``benchmarks/throughput.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,56 +53,96 @@ def smallest_budget(args: argparse.Namespace) -> int:
     return minimum_budget(prof, int(os.environ.get("WORLD_SIZE", "1")))
 
 
+def _ratio_range(a: list[float], b: list[float]) -> str:
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_model_arguments(parser)
     parser.add_argument("--budgets", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    baselines = {case: run_case(case, args) for case in ("ddp", "fsdp_full", "fsdp_grad_op")}
+    names = ["ddp", "fsdp_full", "fsdp_grad_op"]
+    runs: dict[str, list[dict[str, Any]]] = {name: [run_case(name, args)] for name in names}
     headroom = OSDPStrategy().memory_headroom
     low = int(smallest_budget(args) / (1 - headroom)) + 1
-    high = int(baselines["ddp"]["peak_bytes"] / (1 - headroom)) + 1
+    high = int(runs["ddp"][0]["peak_bytes"] / (1 - headroom)) + 1
     budgets = [int(low + (high - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
+    plan_dir = Path(args.plan_out).with_suffix("")
+    plan_dir.mkdir(parents=True, exist_ok=True)
+    plans = {budget: plan_dir / f"plan_{budget}.json" for budget in budgets}
+    for budget in budgets:  # round 1: the planner profiles and solves
+        runs[f"osdp@{budget}"] = [
+            run_case(f"osdp@{budget}", argparse.Namespace(**{**vars(args), "plan_out": str(plans[budget])}))
+        ]
+    cases = list(runs)
+    for r in range(1, args.rounds):
+        order = cases[r % len(cases) :] + cases[: r % len(cases)]
+        for case in order:
+            spec = f"osdp:{plans[int(case[5:])]}" if case.startswith("osdp@") else case
+            runs[case].append(run_case(spec, args))
+
+    def speed(case: str) -> float:
+        return statistics.median(run["samples_per_s"] for run in runs[case])
+
+    def peak(case: str) -> int:
+        return max(run["peak_bytes"] for run in runs[case])
+
+    def speeds(case: str) -> list[float]:
+        return [run["samples_per_s"] for run in runs[case]]
+
     rows: list[dict[str, Any]] = []
     for budget in budgets:
-        osdp = run_case(f"osdp@{budget}", args)
-        fitting = {k: v for k, v in baselines.items() if v["peak_bytes"] <= budget}
-        best_name = max(fitting, key=lambda k: fitting[k]["samples_per_s"]) if fitting else None
+        case = f"osdp@{budget}"
+        fitting = [name for name in names if peak(name) <= budget]
+        best = max(fitting, key=speed) if fitting else None
         rows.append(
             {
                 "budget": budget,
-                "osdp": osdp,
-                "best_baseline": best_name,
-                "vs_best": osdp["samples_per_s"] / fitting[best_name]["samples_per_s"] if best_name else None,
-                "vs_full_shard": osdp["samples_per_s"] / baselines["fsdp_full"]["samples_per_s"],
+                "samples_per_s": speed(case),
+                "samples_per_s_rounds": speeds(case),
+                "peak_bytes": peak(case),
+                "plan": runs[case][0]["plan"],
+                "best_baseline": best,
+                "vs_best": speed(case) / speed(best) if best else None,
+                "vs_best_range": _ratio_range(speeds(case), speeds(best)) if best else "-",
+                "vs_full_shard": speed(case) / speed("fsdp_full"),
+                "vs_full_shard_range": _ratio_range(speeds(case), speeds("fsdp_full")),
             }
         )
     if dist.get_rank() != 0:
         return
-    print(f"\nmodel: {baselines['ddp']['params'] / 1e6:.2f}M parameters, batch {args.batch} x {args.context} per rank")
-    print(f"{'baseline':<14}{'samples/s':>10}{'peak':>12}")
-    for name, row in baselines.items():
-        print(f"{name:<14}{row['samples_per_s']:>10.1f}{format_bytes(row['peak_bytes']):>12}")
+    print(
+        f"\nmodel: {runs['ddp'][0]['params'] / 1e6:.2f}M parameters, batch {args.batch} x {args.context} per rank, "
+        f"{args.rounds} interleaved rounds of {args.steps} steps (median of the last {args.steps - args.warmup})"
+    )
+    print(f"{'baseline':<14}{'samples/s':>10}{'rounds':>22}{'peak':>12}")
+    for name in names:
+        rounds = " ".join(f"{x:.1f}" for x in speeds(name))
+        print(f"{name:<14}{speed(name):>10.1f}{rounds:>22}{format_bytes(peak(name)):>12}")
     print(
         f"budgets from the smallest feasible one ({format_bytes(low)}) to DDP's requirement ({format_bytes(high)}: "
         f"its measured peak over 1 - {headroom:.0%} planner headroom)\n"
     )
     print(
-        f"{'budget':>11}{'OSDP/s':>9}{'OSDP peak':>12}{'fits':>6}{'best baseline':>15}{'vs best':>9}{'vs FULL':>9}"
-        "  plan"
+        f"{'budget':>11}{'OSDP/s':>8}{'OSDP peak':>12}{'fits':>5}{'best fitting':>14}{'vs best':>8}{'range':>11}"
+        f"{'vs FULL':>8}{'range':>11}  plan"
     )
     for r in rows:
-        o = r["osdp"]
         vs_best = f"{r['vs_best']:.2f}" if r["vs_best"] is not None else "-"
         print(
-            f"{format_bytes(r['budget']):>11}{o['samples_per_s']:>9.1f}{format_bytes(o['peak_bytes']):>12}"
-            f"{'yes' if o['peak_bytes'] <= r['budget'] else 'NO':>6}{r['best_baseline'] or 'none fits':>15}"
-            f"{vs_best:>9}{r['vs_full_shard']:>9.2f}  {o['plan']}"
+            f"{format_bytes(r['budget']):>11}{r['samples_per_s']:>8.1f}{format_bytes(r['peak_bytes']):>12}"
+            f"{'yes' if r['peak_bytes'] <= r['budget'] else 'NO':>5}{r['best_baseline'] or 'none':>14}"
+            f"{vs_best:>8}{r['vs_best_range']:>11}{r['vs_full_shard']:>8.2f}{r['vs_full_shard_range']:>11}  {r['plan']}"
         )
     if args.out:
-        args.out.write_text(json.dumps({"baselines": baselines, "rows": rows, "smallest": low}, indent=1))
+        args.out.write_text(
+            json.dumps({"runs": runs, "rows": rows, "smallest": low, "ddp_requirement": high}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from lightning_osdp.cost_model.timeline import (
     simulate_free,
     simulate_segment,
 )
-from lightning_osdp.cost_model.units import UnitTime
+from lightning_osdp.cost_model.units import SHARDED_MODES, UnitTime
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 
@@ -284,7 +284,8 @@ def timeline_input(info: ModelInfo, plan: Plan) -> tuple[TimelineInput[MemoryPar
         if isinstance(item, FreeRun):
             items.append(simulate_free(item))
         else:
-            items.append(SegmentChoice(item.entry, {0: simulate_segment(item, temporaries)}))
+            costs = simulate_segment(item, temporaries)
+            items.append(SegmentChoice(item.entry, {0: costs}, item.bounds[0], item.bounds[1]))
             units.extend(item.units)
     globals_ = [GlobalChoice(g.decision_name, {0: g}, is_root=(g.decision_name == "")) for g in structure.globals]
     spec: TimelineInput[MemoryParts] = TimelineInput(
@@ -295,6 +296,8 @@ def timeline_input(info: ModelInfo, plan: Plan) -> tuple[TimelineInput[MemoryPar
         last_output_bytes=structure.last_output_bytes,
         buffer_bytes=structure.buffer_bytes,
         optimizer_temporaries=temporaries,
+        any_sharded=any(d.mode in SHARDED_MODES for d in plan.decisions.values()),
+        globals_bound_pending=structure.globals_bound_pending,
     )
     return spec, [*structure.globals, *units]
 

@@ -172,6 +172,8 @@ class Segment:
     decisions: dict[str, Decision]
     root: Node
     units: list[LocalUnit]
+    #: see :func:`segment_bounds` (set by :func:`build_structure`)
+    bounds: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -191,6 +193,8 @@ class Structure:
     extra_activation_bytes: int
     last_output_bytes: int
     buffer_bytes: int
+    #: the largest all-gather output a global unit could leave pending (sharded whole)
+    globals_bound_pending: int = 0
 
 
 def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
@@ -491,7 +495,9 @@ def build_structure(info: ModelInfo, plan: Plan) -> Structure:
     for item in lay.items:
         if isinstance(item, str):
             seg_decisions = {m: decisions[m] for m in info.subtree(item) if m in decisions}
-            items.append(build_segment(info, item, seg_decisions, excluded=lay.excluded))
+            segment = build_segment(info, item, seg_decisions, excluded=lay.excluded)
+            segment.bounds = segment_bounds(info, item, lay.excluded)
+            items.append(segment)
         else:
             items.append(free_run(info, item))
     return Structure(
@@ -501,7 +507,23 @@ def build_structure(info: ModelInfo, plan: Plan) -> Structure:
         extra_activation_bytes=info.profile.extra_activation_bytes,
         last_output_bytes=info.modules[info.leaves[-1]].output_bytes if info.leaves else 0,
         buffer_bytes=sum(int(getattr(mp, "buffer_bytes", 0) or 0) for mp in info.modules.values()),
+        globals_bound_pending=max(
+            [
+                global_unit(info, ROOT, (ROOT,), lay.root_cover, "full_shard").bytes.flat,
+                *(
+                    global_unit(info, g[0], tuple(g), lay.group_cover[g[0]], "full_shard").bytes.flat
+                    for g in lay.groups
+                ),
+            ]
+        ),
     )
+
+
+def segment_bounds(info: ModelInfo, entry: str, excluded: frozenset[str] = frozenset()) -> tuple[int, int]:
+    """The largest all-gather output and reduce-scatter input any option of the segment at ``entry`` leaves
+    pending: those of the whole segment as one sharded unit (bytes on rank 0)."""
+    unit = build_segment(info, entry, {entry: Decision("full_shard")}, excluded=excluded).units[0]
+    return unit.bytes.flat, unit.bytes.reduce_input
 
 
 def free_run(info: ModelInfo, names: Sequence[str]) -> FreeRun:

@@ -9,6 +9,16 @@ the largest checkpoint; the solver runs it with linear expressions over its opti
 checkpoint into a constraint ``value <= budget``. Both therefore apply exactly the same rules, and the solver's
 predicted peak *is* the predictor's peak of the plan it returns.
 
+[Note: pending buffers across DDP segments]
+FSDP2 keeps a unit's forward all-gather output until the next FSDP2 unit gathers (or the root's post-forward,
+after the loss), and a reduce-scatter input until the next reduction. ``no_shard`` units are DDP's, not FSDP2's:
+they free neither, so after a segment whose option is ``no_shard`` the buffer pending is one an *earlier* segment
+left, which depends on the options of every segment back to the last sharded one: a product of choices. Exactly
+linearised (McCormick), that made CBC an order of magnitude slower (300 planning units past its time limit). The
+model therefore takes, after such a segment, the largest buffer any earlier segment could leave (its parameters as
+one sharded unit: a constant; the root and tied groups likewise): conservative by the difference, exact for
+Transformer blocks sharded whole. A plan that shards nothing has no FSDP2 buffer at all (``any_sharded``).
+
 Within a segment every event depends on that segment's option only, so each segment is simulated once per
 option (:func:`simulate_segment`) and summarised by its largest checkpoint in each *class*: which of the
 buffers owned by *another* segment are alive at that instant (the all-gather output still pending from the
@@ -145,10 +155,12 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
     def pre_forward(i: int) -> None:
         nonlocal cur, pending_alive, own_pending, frees
         u = b[i]
-        if u.sharded:
-            cur += _comm(u.flat)
-            fwd_checkpoint(cur)
-        # Every gather frees the output kept for the previous one (FSDP2's AllGatherState), sharded or not.
+        if not u.sharded:
+            return  # DDP's parameters: no FSDP2 hook runs, the pending all-gather output stays
+        cur += _comm(u.flat)
+        fwd_checkpoint(cur)
+        # Every gather frees the output kept for the previous one (FSDP2's AllGatherState); the root's
+        # post-forward frees the last one, after the loss.
         if pending_alive:
             pending_alive = False
             frees = True
@@ -156,7 +168,7 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
             cur -= own_pending
         cur += _gathered(u.gathered)
         fwd_checkpoint(cur)
-        own_pending = _comm(u.flat) if u.sharded else ZERO
+        own_pending = _comm(u.flat)
 
     def forward(node: Node) -> None:
         nonlocal cur
@@ -173,6 +185,9 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
     fwd_net = cur - own_pending
     post_order: list[int] = []
     _order_by_post_forward(segment.root, post_order)
+    # FSDP2 prefetches in backward the FSDP2 unit that finished its forward before the current one: DDP's units
+    # (no_shard) are not among them.
+    post_order = [i for i in post_order if b[i].sharded]
 
     # ------------------------------------------------------------------ backward
     # Relative to the level at the segment's start, which holds this segment's activations, the parameters its
@@ -198,6 +213,8 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
     def pre_backward(i: int) -> None:
         nonlocal cur, prefetch_alive
         u = b[i]
+        if not u.sharded:
+            return
         if u.mode == "full_shard":
             if i in prefetched:
                 prefetched.discard(i)
@@ -222,6 +239,8 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
     def post_backward(i: int) -> None:
         nonlocal cur, reduce_alive, own_reduce, reduced
         u = b[i]
+        if not u.sharded:
+            return  # DDP copied each gradient into its bucket as it was produced (see `backward`)
         cur -= _gathered(u.gathered)
         if reduce_alive:
             reduce_alive = False
@@ -237,20 +256,23 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
         else:
             own_reduce = ZERO
 
-    def backward(node: Node) -> None:
+    def backward(node: Node, ddp: bool) -> None:
         nonlocal cur
         if node.unit is not None:
+            ddp = not b[node.unit].sharded
             pre_backward(node.unit)
         for child in reversed(node.children):
-            backward(child)
+            backward(child, ddp)
         cur += _grads(node.grad)
         transient = node.out + (node.inp if not node.children else 0)
         bwd_checkpoint(cur + _acts(transient))
+        if ddp:
+            cur -= _grads(node.grad)  # DDP's hook copies each gradient into its bucket and drops it
         cur -= _acts(node.act)
         if node.unit is not None and not units[node.unit].deferred:
             post_backward(node.unit)
 
-    backward(segment.root)
+    backward(segment.root, False)
     bwd_net = cur - own_reduce
     reduce_out = own_reduce if reduced else ZERO
 
@@ -259,7 +281,7 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
     final_peak: MemoryParts | None = None
     final_reduce = ZERO
     deferred = [i for i in sorted(range(len(units)), key=lambda j: units[j].names) if units[i].deferred]
-    for n, i in enumerate(deferred):
+    for n, i in enumerate([i for i in deferred if b[i].sharded]):
         u = b[i]
         cur -= _gathered(u.gathered)
         if n:
@@ -334,10 +356,13 @@ def _label(name: str) -> str:
 
 @dataclass
 class SegmentChoice:
-    """A segment with its options (the predictor passes exactly one)."""
+    """A segment with its options (the predictor passes exactly one), and the largest all-gather output and
+    reduce-scatter input any of its options leaves pending (see [Note: pending buffers across DDP segments])."""
 
     key: Hashable
     options: dict[Option, SegmentCosts]
+    bound_pending: int = 0
+    bound_reduce_input: int = 0
 
 
 @dataclass
@@ -392,6 +417,10 @@ class TimelineInput(Generic[V]):
     last_output_bytes: int
     buffer_bytes: int
     optimizer_temporaries: float
+    #: whether any unit may be sharded (``False`` for a plan that shards nothing: DDP alone, no FSDP2 buffers)
+    any_sharded: bool = True
+    #: the largest all-gather output a global unit (root, tied group) could leave pending
+    globals_bound_pending: int = 0
 
 
 def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
@@ -435,6 +464,7 @@ def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
         pending = pick(g, "flat")
         be.checkpoint(label, be.add(level, pending))
     level = be.materialize(level, "level_globals")
+    bound_pending = spec.globals_bound_pending
     for i, item in enumerate(spec.items):
         if isinstance(item, FreeCosts):
             be.checkpoint(f"forward {item.fwd_at}", be.add(be.add(level, pending), be.const(item.fwd_peak)))
@@ -442,12 +472,17 @@ def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
             continue
         label = f"forward {item.key}"
         be.checkpoint_options(label, level, [pending], item.key, {o: c.fwd_pending for o, c in item.options.items()})
-        frees = {c.frees_pending for c in item.options.values()}
-        if frees == {True}:
+        frees = {o: c.frees_pending for o, c in item.options.items()}
+        if any(frees.values()):
             be.checkpoint_options(label, level, [], item.key, {o: c.fwd_after for o, c in item.options.items()})
+        bound = _comm(bound_pending) if spec.any_sharded else ZERO
+        if not all(frees.values()):
+            # An option that gathers nothing (DDP) leaves an earlier all-gather output pending: bounded by the largest
+            # a global unit or an earlier segment can leave (see [Note: pending buffers across DDP segments]).
+            pending = be.choice(item.key, {o: c.pending if frees[o] else bound for o, c in item.options.items()})
+        else:
             pending = seg(item, "pending")
-        elif frees != {False}:
-            raise ValueError(f"segment {item.key}: options disagree on whether the segment gathers parameters")
+        bound_pending = max(bound_pending, item.bound_pending)
         level = be.materialize(be.add(level, seg(item, "fwd_net")), f"fwd_level_{i}")
 
     # ------------------------------------------------------------------ loss, end of forward
@@ -475,6 +510,7 @@ def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
     be.checkpoint("loss backward", be.add(be.add(level, prefetch), loss))
     level = be.materialize(level, "level_backward")
     reduce_pending = be.const(ZERO)
+    bound_reduce = 0
     seen = len(segments)
     for i in range(len(spec.items) - 1, -1, -1):
         item = spec.items[i]
@@ -497,15 +533,15 @@ def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
         reduce = {o: c.frees_reduce_input for o, c in item.options.items()}
         if all(reduce.values()):
             reduce_pending = seg(item, "reduce_input")
-        elif any(reduce.values()):
-            # Only in the segment holding the model's first trainable module: its coarse unit is reduced in the
-            # final callback while a fine option's inner units reduce in backward.
-            reduce_pending = be.blend(
-                item.key,
-                {o: c.reduce_input for o, c in item.options.items() if reduce[o]},
-                reduce_pending,
-                [o for o in item.options if not reduce[o]],
+        else:
+            # An option that reduces nothing in backward (DDP's units, or the coarse unit of the segment holding the
+            # model's first trainable module, reduced in the final callback) leaves a later segment's input pending:
+            # bounded by the largest any later segment can leave, as in forward.
+            bound = _comm(bound_reduce) if spec.any_sharded else ZERO
+            reduce_pending = be.choice(
+                item.key, {o: c.reduce_input if reduce[o] else bound for o, c in item.options.items()}
             )
+        bound_reduce = max(bound_reduce, item.bound_reduce_input)
         prefetch = earlier
 
     # ------------------------------------------------------------------ final callback: deferred reductions

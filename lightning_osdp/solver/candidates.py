@@ -18,8 +18,9 @@ a naive per-leaf executor slower than DDP. The solver therefore decides per *seg
 4. **The root** ``""`` covers everything else (positional embeddings, the final norm), one mode.
 
 Options of a segment: *coarse* ``(mode)`` for each allowed mode (and ``(mode, k)`` when the segment is itself a
-splittable Linear); *fine* ``(segment mode, inner mode, slice size)``, the inner mode at least as sharded as the
-segment's (``no_shard`` < ``shard_grad_op`` < ``full_shard``; the reverse only adds collectives): every inner unit
+splittable Linear and ``mode`` is sharded); *fine* ``(segment mode, inner mode, slice size)``, the inner mode
+sharded and at least as sharded as the segment's (``no_shard`` < ``shard_grad_op`` < ``full_shard``; the reverse
+only adds collectives, and ``no_shard`` inside ``no_shard`` is the coarse option: DDP has no units): every inner unit
 takes the inner mode and is split into the fewest allowed slices that bring it down to the slice size, one slice
 size per allowed split factor of the largest inner unit. Options that are no better in time and in every memory
 term than another option of the same segment are dropped before the ILP (they can never be needed).
@@ -187,6 +188,8 @@ def segment_options(
     entry_limit = info.splittable(entry) if entry not in _holders(info) else 1
     for mode in modes:
         for k in splits:
+            if k > 1 and mode == "no_shard":
+                continue  # slices are gathered one at a time only when sharded: under DDP a split only costs calls
             if k == 1 or k <= entry_limit:
                 label = mode if k == 1 else f"{mode} x{k}"
                 options.append(SegmentOption(((entry, Decision(mode, k)),), label))
@@ -201,6 +204,8 @@ def segment_options(
         for mode in modes:
             if rank[mode] < rank[outer]:
                 continue  # big Linears less sharded than the small rest: never saves memory, costs collectives
+            if mode == "no_shard":
+                continue  # all of it under DDP: the coarse no_shard option, in more units
             seen: set[tuple[int, ...]] = set()
             for target in targets:
                 ks = tuple(_split_for(sizes[n], target, splits, info.splittable(n)) for n in inner)

@@ -48,7 +48,15 @@ from lightning_osdp.budget import format_bytes
 from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.cost_model.parts import MemoryParts
 from lightning_osdp.cost_model.prediction import Prediction, _predict
-from lightning_osdp.cost_model.structure import ROOT, ModelInfo, build_segment, free_run, global_unit, layout
+from lightning_osdp.cost_model.structure import (
+    ROOT,
+    ModelInfo,
+    build_segment,
+    free_run,
+    global_unit,
+    layout,
+    segment_bounds,
+)
 from lightning_osdp.cost_model.timeline import (
     FreeCosts,
     GlobalChoice,
@@ -187,7 +195,7 @@ class PlanningProblem:
                 self.option_decisions[(item, j)] = decisions
                 self.option_labels[(item, j)] = option.label
             self.option_count += len(kept_costs)
-            items.append(SegmentChoice(item, kept_costs))
+            items.append(SegmentChoice(item, kept_costs, *segment_bounds(self.info, item, self.layout.excluded)))
         self.option_count += sum(len(g.options) for g in globals_)
         self.spec: TimelineInput[LinExpr] = TimelineInput(
             globals=globals_,
@@ -198,6 +206,15 @@ class PlanningProblem:
             last_output_bytes=profile.modules[self.info.leaves[-1]].output_bytes if self.info.leaves else 0,
             buffer_bytes=sum(int(getattr(mp, "buffer_bytes", 0) or 0) for mp in profile.modules.values()),
             optimizer_temporaries=self.config.optimizer_temporaries,
+            globals_bound_pending=max(
+                [
+                    global_unit(self.info, ROOT, (ROOT,), self.layout.root_cover, "full_shard").bytes.flat,
+                    *(
+                        global_unit(self.info, g[0], tuple(g), self.layout.group_cover[g[0]], "full_shard").bytes.flat
+                        for g in self.layout.groups
+                    ),
+                ]
+            ),
         )
 
     def _signature(self, entry: str) -> tuple[Any, ...]:
@@ -657,6 +674,17 @@ def solve(
     problem = PlanningProblem(profile, ws, modes=modes, splits=_splits(splits, max_split), units=units, config=config)
     be = problem.build()
     chosen, result = problem.solve_ilp(be, budget=budget, gap=gap, time_limit=time_limit)
+    # The ILP bounds FSDP2's pending buffers after DDP segments from above (timeline.py's [Note: pending buffers
+    # across DDP segments]); a plan that shards nothing has none, so it is checked exactly.
+    replicated = _all_no_shard(problem, be)
+    if replicated is not None:
+        exact = problem.predict(problem.plan(replicated))
+        if exact.peak_bytes <= budget and (
+            chosen is None or exact.step_seconds < problem.predict(problem.plan(chosen)).step_seconds
+        ):
+            if chosen is None:
+                result = SolveResult("optimal", 0.0, result.seconds, exact.step_seconds * 1e3)
+            chosen = replicated
     if chosen is None:
         raise _infeasible(problem, budget, time_limit)
     plan = problem.plan(chosen)
@@ -682,6 +710,20 @@ def solve(
         "prediction": prediction.to_dict(),
     }
     return plan
+
+
+def _all_no_shard(problem: PlanningProblem, be: LinearBackend) -> dict[Hashable, Hashable] | None:
+    """The choice of the plan that shards nothing (every choice's coarse ``no_shard``), if the options allow it."""
+    chosen: dict[Hashable, Hashable] = {}
+    for key, options in be.options.items():
+        for o in options:
+            decisions = problem.option_decisions[(key, o)]
+            if all(d.mode == "no_shard" and d.split == 1 for _, d in decisions):
+                chosen[key] = o
+                break
+        else:
+            return None
+    return chosen
 
 
 def _infeasible(problem: PlanningProblem, budget: int, time_limit: float) -> InfeasibleBudgetError:
