@@ -120,10 +120,10 @@ def main() -> None:
         f"\nmodel: {runs['ddp'][0]['params'] / 1e6:.2f}M parameters, batch {args.batch} x {args.context} per rank, "
         f"{args.rounds} interleaved rounds of {args.steps} steps (median of the last {args.steps - args.warmup})"
     )
-    print(f"{'baseline':<14}{'samples/s':>10}{'rounds':>22}{'peak':>12}")
+    print(f"{'baseline':<14}{'samples/s':>10}{'peak':>12}  rounds")
     for name in names:
         rounds = " ".join(f"{x:.1f}" for x in speeds(name))
-        print(f"{name:<14}{speed(name):>10.1f}{rounds:>22}{format_bytes(peak(name)):>12}")
+        print(f"{name:<14}{speed(name):>10.1f}{format_bytes(peak(name)):>12}  {rounds}")
     print(
         f"budgets from the smallest feasible one ({format_bytes(low)}) to DDP's requirement ({format_bytes(high)}: "
         f"its measured peak over 1 - {headroom:.0%} planner headroom)\n"
