@@ -65,6 +65,8 @@ def test_two_gloo_ranks_measure_positive_sane_fits_and_share_rank_zeros_figures(
     torchrun(script, str(tmp_path), nproc=2, timeout=300)
     docs = [json.loads((tmp_path / f"collectives.rank{r}.json").read_text()) for r in range(2)]
     assert docs[0]["fits"] == docs[1]["fits"]  # rank 0's samples, fitted identically everywhere
+    for doc in docs:  # on gloo the sharded units reduce with an all-reduce: the same result, bit for bit on 2 ranks
+        assert doc["reduce_scatter_max_value"] > 0 and doc["reduce_scatter_max_difference"] == 0.0
     assert docs[0]["seconds"] < 4.0  # a 1.5 s budget, overrun by at most one size's round
     for op in COLLECTIVE_OPS:
         fit = docs[0]["fits"][op]

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp.apply.split import split_linear
+from lightning_osdp.comm import reduce_scatter_comm
 from lightning_osdp.plan import ROOT, Plan, PlanError
 
 __all__ = [
@@ -218,26 +219,31 @@ def apply_plan(
     # Bottom-up: a no_shard unit's parameters (those no deeper sharded unit took) stay plain, and every later
     # fully_shard is told to leave them to DDP.
     plain: set[nn.Parameter] = set()
+    reduce_scatter = reduce_scatter_comm(mesh.get_group())
+
+    def shard(target: nn.Module, others: list[nn.Module], mode: str) -> None:
+        fully_shard(
+            [target, *others] if others else target,
+            reshard_after_forward=(mode == "full_shard"),
+            ignored_params=set(plain),
+            **kwargs,
+        )
+        if reduce_scatter is not None:
+            target.set_custom_reduce_scatter(reduce_scatter)  # type: ignore[operator]
+
     for unit in units:
         targets = [module.get_submodule(n) for n in unit.names]
         if unit.mode == "no_shard":
             plain.update(p for t in targets for p in t.parameters() if not isinstance(p, DTensor))
         else:
-            fully_shard(
-                targets if len(targets) > 1 else targets[0],
-                reshard_after_forward=(unit.mode == "full_shard"),
-                ignored_params=set(plain),
-                **kwargs,
-            )
+            shard(targets[0], targets[1:], unit.mode)
     root = OSDPModule(module, plan)
     root_mode = plan.decisions[ROOT].mode if ROOT in plan.decisions else "no_shard"
     if root_mode == "no_shard":
         plain.update(p for p in module.parameters() if not isinstance(p, DTensor))
     else:
-        fully_shard(
-            root.root_unit, reshard_after_forward=(root_mode == "full_shard"), ignored_params=set(plain), **kwargs
-        )
-    fully_shard(root, reshard_after_forward=False, ignored_params=set(plain), **kwargs)
+        shard(root.root_unit, [], root_mode)
+    shard(root, [], "shard_grad_op")  # parameter-less: only the root hooks
     if any(p.requires_grad for p in plain):
         return ReplicatedModule(root, plan, mesh)
     return root

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_osdp.comm import reduce_scatter_comm
 from lightning_osdp.profiling import benchmark_collectives, profile
 
 from models import TinyGPT, loaders
@@ -34,6 +35,15 @@ def main() -> None:
     fits = benchmark_collectives(time_budget_seconds=1.5)
     seconds = time.perf_counter() - start
     document = {"seconds": seconds, "fits": {op: asdict(fit) for op, fit in fits.items()}}
+    # The executor's reduce-scatter on gloo (an in-place all-reduce and a chunk) against gloo's own.
+    comm = reduce_scatter_comm(dist.group.WORLD)
+    assert comm is not None
+    grads = torch.randn(2 * 1031, generator=torch.Generator().manual_seed(rank))
+    ours, theirs = torch.empty(1031), torch.empty(1031)
+    dist.reduce_scatter_tensor(theirs, grads.clone(), op=dist.ReduceOp.AVG)
+    comm(ours, grads.clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+    document["reduce_scatter_max_difference"] = float((ours - theirs).abs().max())
+    document["reduce_scatter_max_value"] = float(theirs.abs().max())
     (out / f"collectives.rank{rank}.json").write_text(json.dumps(document))
     torch.manual_seed(0)
     batch = next(iter(loaders(batch_size=4)[0]))
