@@ -618,16 +618,19 @@ def minimum_budget(
         units=units,
         config=config,
     )
-    plan, _ = _minimum(problem, gap=gap, time_limit=time_limit)
-    return problem.predict(plan).peak_bytes
+    _, minimum = _minimum(problem, gap=gap, time_limit=time_limit)
+    return minimum
 
 
-def _minimum(problem: PlanningProblem, *, gap: float, time_limit: float) -> tuple[Plan, SolveResult]:
+def _minimum(problem: PlanningProblem, *, gap: float, time_limit: float) -> tuple[Plan, int]:
+    """The plan of smallest peak, and the budget :func:`solve` accepts for it: its predicted peak, or the ILP's
+    when larger (the ILP bounds pending buffers after DDP segments from above: timeline.py)."""
     be = problem.build()
-    chosen, result = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit)
+    chosen, _ = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit)
     if chosen is None:
         raise SolverError("the minimum-memory problem is infeasible: this is a bug in the cost model")
-    return problem.plan(chosen), result
+    plan = problem.plan(chosen)
+    return plan, max(problem.predict(plan).peak_bytes, _ilp_figures(be, chosen)[0])
 
 
 def solve(
@@ -727,9 +730,8 @@ def _all_no_shard(problem: PlanningProblem, be: LinearBackend) -> dict[Hashable,
 
 
 def _infeasible(problem: PlanningProblem, budget: int, time_limit: float) -> InfeasibleBudgetError:
-    plan, _ = _minimum(problem, gap=1e-6, time_limit=time_limit)
+    plan, minimum = _minimum(problem, gap=1e-6, time_limit=time_limit)
     prediction = problem.predict(plan)
-    minimum = prediction.peak_bytes
     consumers = _consumers(problem)
     parts = ", ".join(
         f"{name.replace('_', ' ')} {format_bytes(v)}"
