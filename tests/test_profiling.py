@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_osdp.memory import LiveStorageTracker
 from lightning_osdp.profiling import (
     CollectiveFit,
+    DeviceRates,
     ModelProfile,
     ProfilingError,
     format_profile,
@@ -288,6 +289,30 @@ def test_estimated_mode_on_the_meta_device_counts_the_same_bytes_as_measured() -
     assert "h" not in order  # a ModuleList is never called
     assert estimated.info["copy_bytes_per_second"] > 1e8
     assert all(p.is_meta for p in meta_model.parameters())  # the user's model is still on meta
+
+
+def test_estimated_mode_converts_with_the_rates_and_copy_bandwidth_it_is_given() -> None:
+    batch = tiny_gpt_batch()
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    # A thousand times slower than any device measures, so a benchmarked figure cannot pass for them.
+    given = DeviceRates("cuda", "float32", 1e-3, 1e6, 1e-4, 1e5)
+    twice_as_slow = DeviceRates("cuda", "float32", 2e-3, 5e5, 2e-4, 5e4)
+    fast = profile(meta_model, batch, rates=given, copy_bytes_per_second=123.0)
+    slow = profile(meta_model, batch, rates=twice_as_slow, copy_bytes_per_second=123.0)
+    assert fast.mode == slow.mode == "estimated"
+    assert fast.info["rates"] == given.to_dict() and slow.info["rates"] == twice_as_slow.to_dict()
+    assert fast.info["copy_bytes_per_second"] == slow.info["copy_bytes_per_second"] == 123.0
+    fc = fast.modules["h.0.fc"]
+    assert fc.fwd_seconds >= fc.fwd_flops / given.matmul_flops_per_second > 0
+    # Every time is the same operator counts over the rates: halving every rate doubles every time.
+    for name, m in fast.modules.items():
+        assert slow.modules[name].fwd_seconds == pytest.approx(2 * m.fwd_seconds, rel=1e-12), name
+        assert slow.modules[name].bwd_seconds == pytest.approx(2 * m.bwd_seconds, rel=1e-12), name
+    assert slow.optimizer_step_seconds == pytest.approx(2 * fast.optimizer_step_seconds, rel=1e-12)
+    assert slow.step_overhead_seconds == pytest.approx(2 * fast.step_overhead_seconds, rel=1e-12)
+    with pytest.raises(ValueError, match="copy_bytes_per_second must be positive"):
+        profile(meta_model, batch, copy_bytes_per_second=0.0)
 
 
 class WithTrainingMetric(TinyGPT):

@@ -2,12 +2,11 @@
 
 [Note: rates of another device]
 ``lightning_osdp.profiling.profile`` in estimated mode runs one step on fake tensors and converts each operator's
-FLOPs and bytes into seconds with rates it benchmarks on *this* machine. A dry run wants the rates of the GPU it
-plans for, and ``profile`` takes no rates argument (yet), so :func:`estimated_profile` substitutes the profiler's
-two benchmark functions for the duration of the call and checks, afterwards, that the profile records exactly the
-rates it was given: if the profiler changes how it obtains rates, the dry run fails loudly instead of silently
-timing a GPU step at CPU speed. The profile is then relabelled for the target: its device (``"cuda ..."``, so the
-cost model lets collectives overlap compute, as CUDA streams do), world size, collectives and copy bandwidth.
+FLOPs and bytes into seconds with rates it benchmarks on *this* machine, unless it is given others. A dry run
+wants the figures of the GPU it plans for, so :func:`estimated_profile` gives ``profile`` the target's rates, copy
+bandwidth and collectives (which set the world size), and nothing is benchmarked here. The profile is then
+relabelled for the target: its device (``"cuda ..."``, so the cost model lets collectives overlap compute, as CUDA
+streams do) and a description of the hardware.
 
 [Note: batch size]
 Every figure a profile holds is an affine function of the per-device batch size ``b``: saved activations, outputs
@@ -23,10 +22,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 from torch import nn
 
@@ -37,17 +34,6 @@ from lightning_osdp.profiling import ModelProfile, ModuleProfile, ProfilingError
 __all__ = ["BatchScaledProfile", "estimated_profile", "largest_batch"]
 
 _NOT_SCALED = frozenset({"world_size", "profiling_seconds", "optim_state_factor"})
-
-
-@contextmanager
-def _rates_of(figures: HardwareFigures) -> Iterator[None]:
-    from lightning_osdp.profiling import profiler
-
-    with (
-        mock.patch.object(profiler, "measure_device_rates", lambda *args, **kwargs: figures.rates),
-        mock.patch.object(profiler, "measure_copy_bandwidth", lambda *args, **kwargs: figures.copy_bytes_per_second),
-    ):
-        yield
 
 
 def estimated_profile(
@@ -67,26 +53,21 @@ def estimated_profile(
         CLIError: the model's step cannot run on fake tensors (the profiler's message).
     """
     try:
-        with _rates_of(figures):
-            result = profile(
-                model,
-                batch,
-                mode="estimated",
-                step=step,
-                optimizer=optimizer,
-                step_context=step_context,
-                collectives=figures.collectives,
-                batch_source=batch_source,
-            )
+        result = profile(
+            model,
+            batch,
+            mode="estimated",
+            step=step,
+            optimizer=optimizer,
+            step_context=step_context,
+            collectives=figures.collectives,
+            batch_source=batch_source,
+            rates=figures.rates,
+            copy_bytes_per_second=figures.copy_bytes_per_second,
+        )
     except ProfilingError as err:
         raise CLIError(str(err).replace("\n", " ")) from err
-    if result.info.get("rates") != figures.rates.to_dict():
-        raise RuntimeError(
-            "lightning_osdp.profiling no longer takes its rates from measure_device_rates; the dry run cannot set "
-            "the target hardware's rates (update lightning_osdp/cli/estimate.py)"
-        )
     result.device = figures.device
-    result.info["copy_bytes_per_second"] = figures.copy_bytes_per_second
     result.info["hardware"] = figures.description
     return result
 

@@ -9,9 +9,10 @@ and the optimizer step's); per-module times are medians over the hooked steps.
 *Estimated* (the model does not fit, or is on the meta device): a copy whose parameters are fake tensors
 (``FakeTensorMode``: shapes, dtypes and devices, no memory) runs one traced step, backward and optimizer step
 included. Bytes come out exactly as in the measured mode (same operators, same saved tensors); times are the
-operators' FLOPs and bytes converted by rates benchmarked on the device (``rates``). ``.item()`` in the user's
-step yields a symbolic value, so logging-style code runs; control flow that depends on tensor values cannot run
-on fake tensors and is reported as a :class:`ProfilingError`.
+operators' FLOPs and bytes converted by rates benchmarked on the device (``rates``), or by the rates the caller
+gives (another device's, for a dry run). ``.item()`` in the user's step yields a symbolic value, so logging-style
+code runs; control flow that depends on tensor values cannot run on fake tensors and is reported as a
+:class:`ProfilingError`.
 
 ``mode="auto"`` measures when a copy of the parameters with their gradients and optimizer state takes at most
 half the memory available on the device now, and estimates otherwise (always for a model on the meta device).
@@ -348,6 +349,8 @@ def profile(
     batch_source: str = "argument",
     available_memory: int | None = None,
     collective_time_budget: float = 2.0,
+    rates: DeviceRates | None = None,
+    copy_bytes_per_second: float | None = None,
 ) -> ModelProfile:
     """Profile one training step of ``module`` on ``example_batch``: per-module memory and time, and collectives.
 
@@ -378,6 +381,11 @@ def profile(
         batch_source: where the batch came from, recorded in ``ModelProfile.batch``.
         available_memory: bytes ``"auto"`` may count on; default what the device has available now.
         collective_time_budget: seconds the collective benchmark may take (see ``benchmark_collectives``).
+        rates: the rates estimated mode converts FLOPs and bytes into seconds with, recorded in
+            ``info["rates"]``; default benchmarked on ``device`` (``measure_device_rates``). Give another device's
+            to estimate a step on hardware that is not here. Measured mode times real steps and does not use them.
+        copy_bytes_per_second: the bandwidth of FSDP2's own copies, recorded in ``info["copy_bytes_per_second"]``
+            for the cost model; default benchmarked on ``device`` (``measure_copy_bandwidth``).
 
     Raises:
         ProfilingError: the model has no parameters, the batch does not run through it (the message names the
@@ -389,6 +397,8 @@ def profile(
         raise TypeError(f"profile() takes an nn.Module, not {type(module).__name__}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if copy_bytes_per_second is not None and not copy_bytes_per_second > 0:
+        raise ValueError(f"copy_bytes_per_second must be positive, got {copy_bytes_per_second}")
     name = type(module).__name__
     params = _unique_parameters(module)
     if not params:
@@ -410,9 +420,12 @@ def profile(
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=rng_devices))
         # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
-        rates: DeviceRates | None = measure_device_rates(target, _floating_dtype(module)) if estimated else None
+        if estimated and rates is None:
+            rates = measure_device_rates(target, _floating_dtype(module))
         param_bytes = sum(p.numel() * p.element_size() for p in params)
-        info["copy_bytes_per_second"] = measure_copy_bandwidth(target, min(max(param_bytes, 4 << 20), 64 << 20))
+        if copy_bytes_per_second is None:
+            copy_bytes_per_second = measure_copy_bandwidth(target, min(max(param_bytes, 4 << 20), 64 << 20))
+        info["copy_bytes_per_second"] = copy_bytes_per_second
         if estimated:
             from torch._subclasses.fake_tensor import FakeTensorMode
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -444,7 +457,8 @@ def profile(
                 f"{name} cannot be estimated on fake tensors ({type(error).__name__}: {error}); its step depends on "
                 "tensor values. Profile it in measured mode, on a smaller configuration if it does not fit"
             ) from error
-        if rates is not None:
+        if estimated:
+            assert rates is not None  # given or measured above
             timing = _estimated_timing(session, record, rates, info)
         else:
             timing = _measured_timing(session, record, repeats, info)
