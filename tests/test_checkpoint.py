@@ -26,9 +26,9 @@ from torch import nn
 from lightning_osdp import Decision, Plan
 from lightning_osdp import checkpoint as ckpt
 from lightning_osdp.apply.split import split_linear
+from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.keys import (
-    SliceMap,
     check_model_keys,
     check_optimizer_state,
     optimizer_state_from_native,

@@ -11,13 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_osdp import Plan, PlanError, SplitLinear, apply_plan
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, plan_units
-from lightning_osdp.apply.state_dict import (
-    merge_split_optimizer_state,
-    merge_split_state,
-    split_modules,
-    unmerge_split_optimizer_state,
-    unmerge_split_state,
-)
+from lightning_osdp.apply.state_dict import SliceAlias, SliceMap
 
 from models import TinyGPT
 
@@ -79,13 +73,14 @@ def test_split_state_dicts_use_the_models_own_keys() -> None:
     from lightning_osdp.apply import split_linear
 
     split_linear(model, "h.0.fc", 4)
-    splits = split_modules(model)
-    assert splits == {"h.0.fc": 4}
-    merged = merge_split_state(model.state_dict(), splits)
+    slices = SliceMap.of(model)
+    assert slices.slices_of["h.0.fc.weight"] == [f"h.0.fc.slices.{i}.weight" for i in range(4)]
+    assert {alias.canonical for alias in slices.aliases.values()} == {"h.0.fc.weight", "h.0.fc.bias"}
+    merged = slices.merge_state(model.state_dict())
     assert list(merged) == list(reference)
     for key, value in reference.items():
         torch.testing.assert_close(merged[key], value, rtol=0, atol=0)
-    model.load_state_dict(unmerge_split_state(merged, splits))
+    model.load_state_dict(slices.unmerge_state(merged))
 
     opt = {
         "state": {
@@ -94,10 +89,12 @@ def test_split_state_dicts_use_the_models_own_keys() -> None:
         },
         "param_groups": [{"lr": 0.1, "params": ["wte.weight", "h.0.fc.slices.0.weight", "h.0.fc.slices.1.weight"]}],
     }
-    merged_opt = merge_split_optimizer_state(opt, {"h.0.fc": 2})
+    # Two slices of 2 rows each of a 4-row parameter.
+    two = SliceMap({f"h.0.fc.slices.{i}.weight": SliceAlias("h.0.fc.weight", i, 2 * i, 2, 4) for i in range(2)})
+    merged_opt = two.merge_optimizer_state(opt)
     assert merged_opt["param_groups"][0]["params"] == ["wte.weight", "h.0.fc.weight"]
     assert merged_opt["state"]["h.0.fc.weight"]["exp_avg"].shape == (4, 5)
-    back = unmerge_split_optimizer_state(merged_opt, {"h.0.fc": 2})
+    back = two.unmerge_optimizer_state(merged_opt)
     torch.testing.assert_close(back["state"]["h.0.fc.slices.1.weight"]["exp_avg"], torch.ones(2, 5))
     assert back["param_groups"][0]["params"] == opt["param_groups"][0]["params"]
 
@@ -131,9 +128,7 @@ def test_one_rank_training_equals_plain_training(world1: object) -> None:
             opt.zero_grad()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = merge_split_state(
-        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), split_modules(model)
-    )
+    state = SliceMap.of(model).merge_state(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 

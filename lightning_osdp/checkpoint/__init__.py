@@ -7,6 +7,7 @@ the first into the second. Saves are atomic; incomplete or mismatched checkpoint
 names the problem. See ``docs/checkpointing.md``.
 """
 
+from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint.consolidation import consolidate
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.dispatch import (
@@ -25,7 +26,6 @@ from lightning_osdp.checkpoint.full import (
     load_full_optimizer_state,
     save_full_checkpoint,
 )
-from lightning_osdp.checkpoint.keys import SliceMap
 from lightning_osdp.checkpoint.layout import Manifest, is_sharded_checkpoint, read_manifest, remove_checkpoint
 from lightning_osdp.checkpoint.resume import PlanChoice, SavedPlan, resume_plan, saved_plan
 from lightning_osdp.checkpoint.sharded import (

@@ -24,18 +24,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from lightning_osdp.apply.state_dict import (
-    merge_split_optimizer_state,
-    merge_split_state,
-    split_modules,
-    unmerge_split_optimizer_state,
-    unmerge_split_state,
-)
+from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import _dist, layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.errors import CheckpointMismatchError
 from lightning_osdp.checkpoint.keys import (
-    SliceMap,
     check_model_keys,
     keep_group_types,
     named_param_groups,
@@ -61,7 +54,7 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
     A collective: every rank takes part in gathering the shards.
     """
     state = get_model_state_dict(module, options=_FULL)
-    return merge_split_state(state, split_modules(module))
+    return SliceMap.of(module).merge_state(state)
 
 
 def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -77,7 +70,7 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
         state = dict(get_optimizer_state_dict(module, optimizer, options=_FULL))
     if _dist.rank() != 0:
         return {}
-    return optimizer_state_to_native(merge_split_optimizer_state(state, split_modules(module)))
+    return optimizer_state_to_native(SliceMap.of(module).merge_optimizer_state(state))
 
 
 def save_full_checkpoint(
@@ -124,7 +117,7 @@ def load_full_model_state(
     expected = {slices.canonical(k): slices.canonical_shape(k, tuple(v.shape)) for k, v in live.items()}
     saved = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
     check_model_keys(expected, saved, strict=strict, source=source)
-    sliced = unmerge_split_state({k: v for k, v in state_dict.items() if k in expected}, split_modules(module))
+    sliced = slices.unmerge_state({k: v for k, v in state_dict.items() if k in expected})
     set_model_state_dict(module, sliced, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
@@ -146,7 +139,7 @@ def load_full_optimizer_state(
     ]
     if wrong:
         raise CheckpointMismatchError(f"checkpoint {source}: optimizer state of another shape: {', '.join(wrong)}")
-    sliced = unmerge_split_optimizer_state(named, split_modules(module))
+    sliced = slices.unmerge_optimizer_state(named)
     with keep_group_types(optimizer):
         set_optimizer_state_dict(module, optimizer, sliced, options=StateDictOptions(full_state_dict=True))
 

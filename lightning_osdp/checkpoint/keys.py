@@ -1,10 +1,6 @@
-"""Checkpoint keys that do not depend on the plan: the model's own names, whatever the splits.
-
-A module split by the plan holds its weight as slices (``fc.slices.0.weight`` ... ``fc.slices.{k-1}.weight``,
-each cut along dim 0, see :mod:`lightning_osdp.apply.split`); a checkpoint names it ``fc.weight``, as the unsplit
-LightningModule does. :class:`SliceMap` is the dictionary between the two spellings for one live (split) module.
-It is used by the DCP planners (sharded checkpoints), by the full-state gather (consolidated files) and by the
-compatibility check that runs before any tensor is read.
+"""Checkpoint keys that do not depend on the plan: the model's own names, whatever the splits, and the checks that a
+checkpoint fits the model. A split operator's slice names are translated to the unsplit names by
+:class:`~lightning_osdp.apply.state_dict.SliceMap`, the one map between the two spellings.
 
 Full files store optimizer states in PyTorch's own format (``optimizer.state_dict()``: parameters numbered in
 the order of the optimizer's parameter groups), exactly as Lightning's DDP strategy writes them, so that a
@@ -17,18 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_osdp.apply.split import SplitLinear
+from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint.errors import CheckpointMismatchError
 
 __all__ = [
-    "SliceAlias",
-    "SliceMap",
     "check_model_keys",
     "check_optimizer_state",
     "keep_group_types",
@@ -39,109 +32,8 @@ __all__ = [
     "split_state_keys",
 ]
 
-_LEAVES = ("weight", "bias")
 #: How many offending keys an error message lists before it summarises.
 _SHOWN = 12
-
-
-@dataclass(frozen=True)
-class SliceAlias:
-    """Where one slice parameter lies in the unsplit parameter it was cut from.
-
-    Attributes:
-        canonical: the unsplit model's name of the parameter (``h.0.fc.weight``).
-        index: the slice number.
-        row_offset: first row (dim 0) of the slice in the unsplit parameter.
-        rows: rows of the slice.
-        full_rows: rows of the unsplit parameter.
-    """
-
-    canonical: str
-    index: int
-    row_offset: int
-    rows: int
-    full_rows: int
-
-
-class SliceMap:
-    """Slice-parameter names of a split module <-> the unsplit model's names.
-
-    Args:
-        aliases: slice parameter name (``h.0.fc.slices.1.weight``) -> :class:`SliceAlias`.
-    """
-
-    def __init__(self, aliases: Mapping[str, SliceAlias]) -> None:
-        self.aliases: dict[str, SliceAlias] = dict(aliases)
-        self.slices_of: dict[str, list[str]] = {}
-        for name, alias in sorted(self.aliases.items(), key=lambda kv: (kv[1].canonical, kv[1].index)):
-            self.slices_of.setdefault(alias.canonical, []).append(name)
-
-    @classmethod
-    def of(cls, module: nn.Module) -> SliceMap:
-        """The map of every :class:`~lightning_osdp.apply.split.SplitLinear` under ``module``."""
-        aliases: dict[str, SliceAlias] = {}
-        for name, sub in module.named_modules():
-            if not isinstance(sub, SplitLinear):
-                continue
-            prefix = f"{name}." if name else ""
-            offset = 0
-            for i, part in enumerate(sub.slices):
-                assert isinstance(part, nn.Linear)
-                rows = part.out_features
-                for leaf in _LEAVES:
-                    if getattr(part, leaf, None) is not None:
-                        aliases[f"{prefix}slices.{i}.{leaf}"] = SliceAlias(
-                            f"{prefix}{leaf}", i, offset, rows, sub.out_features
-                        )
-                offset += rows
-        return cls(aliases)
-
-    def __bool__(self) -> bool:
-        return bool(self.aliases)
-
-    def canonical(self, name: str) -> str:
-        """The model's own name for parameter ``name`` (itself unless it is a slice)."""
-        alias = self.aliases.get(name)
-        return alias.canonical if alias is not None else name
-
-    def canonical_shape(self, name: str, shape: Sequence[int]) -> tuple[int, ...]:
-        """Shape of the unsplit tensor that ``name`` (a slice, or any parameter) is part of."""
-        alias = self.aliases.get(name)
-        if alias is None or len(shape) == 0:
-            return tuple(shape)
-        return (alias.full_rows, *shape[1:])
-
-    def alias_in_path(self, path: Sequence[Any]) -> tuple[tuple[Any, ...], SliceAlias] | None:
-        """For a nested state-dict path (``("optimizer_0", "state", "fc.slices.1.weight", "exp_avg")``), the same
-        path spelled with the unsplit name, and the slice's alias; ``None`` when no element names a slice."""
-        for i, element in enumerate(path):
-            alias = self.aliases.get(element) if isinstance(element, str) else None
-            if alias is not None:
-                return (*path[:i], alias.canonical, *path[i + 1 :]), alias
-        return None
-
-    def canonical_param_groups(self, groups: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Optimizer ``param_groups`` with parameter names: slices replaced by their unsplit name, listed once, at
-        the first slice's position (which is where the unsplit parameter stood: splitting keeps the order)."""
-        out = []
-        for group in groups:
-            params: list[Any] = []
-            for p in group["params"]:
-                name = self.canonical(p) if isinstance(p, str) else p
-                if name not in params:
-                    params.append(name)
-            out.append({**group, "params": params})
-        return out
-
-    def sliced_param_groups(self, groups: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Inverse of :meth:`canonical_param_groups` for this module's splits."""
-        out = []
-        for group in groups:
-            params: list[Any] = []
-            for p in group["params"]:
-                params.extend(self.slices_of.get(p, [p]) if isinstance(p, str) else [p])
-            out.append({**group, "params": params})
-        return out
 
 
 # ---------------------------------------------------------------------------------------------- optimizer formats

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
 
+from lightning_osdp.apply.state_dict import SliceAlias, SliceMap
 from lightning_osdp.checkpoint.errors import CheckpointMismatchError
-from lightning_osdp.checkpoint.keys import SliceAlias, SliceMap
 
 __all__ = ["SliceLoadPlanner", "SliceSavePlanner"]
 

@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import _dist, layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.keys import (
-    SliceMap,
     check_model_keys,
     check_optimizer_state,
     keep_group_types,
