@@ -1,5 +1,7 @@
-"""Stage 3 of the pipeline: apply a plan to a model (operator splitting, then FSDP2 per unit)."""
+"""Stage 3 of the pipeline: apply a plan to a model (operator splitting, then FSDP2 per sharded unit and DDP for
+the replicated rest)."""
 
+from lightning_osdp.apply.clip import clip_grad_norm_
 from lightning_osdp.apply.executor import (
     OSDPModule,
     ReplicatedModule,
@@ -15,6 +17,7 @@ __all__ = [
     "SplitLinear",
     "Unit",
     "apply_plan",
+    "clip_grad_norm_",
     "plan_units",
     "split_linear",
 ]
