@@ -128,9 +128,7 @@ def test_ilp_optimum_equals_brute_force_under_the_cost_model(seed, units, blocks
     profile = random_profile(seed, units, blocks=blocks, world_size=world_size)
     plans = all_plans(profile, splits=splits)
     low, high = min(p for _, p, _ in plans), max(p for _, p, _ in plans)
-    # CBC's tolerances are absolute on an objective in MiB: it may stop a few bytes above the true minimum (8 bytes
-    # of 800,897 on seed 0), so the minimum is asserted to 1e-5, the budgets below to the exact optimum.
-    assert low <= minimum_budget(profile, splits=splits) <= low * (1 + 1e-5)
+    assert minimum_budget(profile, splits=splits) == low
     rng = random.Random(seed)
     for fraction in (rng.uniform(0.02, 0.3), rng.uniform(0.3, 0.7), 1.0):
         budget = int(low + (high - low) * fraction)

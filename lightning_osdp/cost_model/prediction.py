@@ -227,18 +227,6 @@ class NumericBackend:
     def maximum(self, values: Sequence[MemoryParts], name: str) -> MemoryParts:
         return max(values, key=lambda v: v.total, default=ZERO)
 
-    def blend(
-        self,
-        key: Hashable,
-        values: Mapping[Hashable, MemoryParts],
-        passthrough: MemoryParts,
-        options: Sequence[Hashable],
-    ) -> MemoryParts:
-        if values:
-            (value,) = values.values()
-            return value
-        return passthrough
-
     def seconds(self, key: Hashable, values: Mapping[Hashable, float]) -> None:
         (value,) = values.values()
         self.step_seconds += value

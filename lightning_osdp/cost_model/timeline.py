@@ -410,11 +410,6 @@ class Backend(Protocol[V]):
 
     def maximum(self, values: Sequence[V], name: str) -> V: ...
 
-    def blend(
-        self, key: Hashable, values: Mapping[Option, MemoryParts], passthrough: V, options: Sequence[Option]
-    ) -> V:
-        """``values[o]`` when ``key`` takes an option of ``values``, else (an option of ``options``) ``passthrough``."""
-
     def seconds(self, key: Hashable, values: Mapping[Option, float]) -> None: ...
 
     def constant_seconds(self, seconds: float) -> None: ...

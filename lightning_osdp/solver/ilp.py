@@ -288,14 +288,6 @@ class PlanningProblem:
                 prob += affine(v.definition - LinExpr({i: 1.0})) == 0
             for e in v.maximum_of:
                 prob += affine(e - LinExpr({i: 1.0})) <= 0
-            if v.product_of is not None:
-                y, r = v.product_of
-                lo, hi = be.bounds(r)
-                z = LinExpr({i: 1.0})
-                prob += affine(z - y.scaled(hi)) <= 0
-                prob += affine(y.scaled(lo) - z) <= 0
-                prob += affine(r - y.scaled(-hi) - LinExpr(const=hi) - z) <= 0  # z >= r - hi (1 - y)
-                prob += affine(z - r + y.scaled(-lo) + LinExpr(const=lo)) <= 0  # z <= r - lo (1 - y)
         # Peaks are whole bytes: half a byte of slack admits a peak equal to the budget and nothing above it
         # (CBC's feasibility tolerance, 1e-7 MiB, is a tenth of a byte).
         rhs = None if budget is None else (budget + 0.5) / MIB

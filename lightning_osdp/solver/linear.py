@@ -38,9 +38,6 @@ class LinExpr:
             terms[k] = terms.get(k, 0.0) - v
         return LinExpr(terms, self.const - other.const)
 
-    def scaled(self, factor: float) -> LinExpr:
-        return LinExpr({k: v * factor for k, v in self.terms.items()}, self.const * factor)
-
 
 @dataclass
 class Variable:
@@ -54,7 +51,6 @@ class Variable:
     ub: float = 0.0
     definition: LinExpr | None = None
     maximum_of: list[LinExpr] = field(default_factory=list)
-    product_of: tuple[LinExpr, LinExpr] | None = None
 
 
 class LinearBackend:
@@ -157,19 +153,6 @@ class LinearBackend:
         self.variables[i].maximum_of = list(values)
         return LinExpr({i: 1.0})
 
-    def blend(
-        self, key: Hashable, values: Mapping[Hashable, MemoryParts], passthrough: LinExpr, options: Sequence[Hashable]
-    ) -> LinExpr:
-        """``values[o]`` when choice ``key`` takes an option ``o`` in ``values``, ``passthrough`` when it takes one of
-        ``options``: the passthrough part is ``y * passthrough`` with ``y`` the sum of those binaries, linearised
-        exactly (McCormick, ``y`` binary, ``passthrough`` within its bounds)."""
-        own = self.choice(key, values)
-        y = LinExpr({self.binaries[(key, o)]: 1.0 for o in options})
-        lo, hi = self.bounds(passthrough)
-        i = self._aux("blend", min(lo, 0.0), max(hi, 0.0))
-        self.variables[i].product_of = (y, passthrough)
-        return own + LinExpr({i: 1.0})
-
     def seconds(self, key: Hashable, values: Mapping[Hashable, float]) -> None:
         terms = {self.binaries[(key, o)]: v * 1e3 for o, v in values.items() if v}
         self.objective = self.objective + LinExpr(terms)
@@ -195,8 +178,6 @@ class LinearBackend:
                 values[i] = 1.0 if chosen.get(var.key) == var.option else 0.0
             elif var.definition is not None:
                 values[i] = ev(var.definition)
-            elif var.product_of is not None:
-                values[i] = ev(var.product_of[0]) * ev(var.product_of[1])
             else:
                 values[i] = max(ev(e) for e in var.maximum_of)
         return ev
