@@ -356,7 +356,18 @@ class PlanningProblem:
         cutoff = None
         if rounded is not None:
             cutoff = score(rounded)[1] * (1 - gap) - constant
-        chosen, result = _run_cbc(prob, be, xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff)
+        try:
+            chosen, result = _run_cbc(prob, be, xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff)
+        except SolverError:
+            if rounded is None or lower is None:
+                raise
+            # Branch and bound ran out of time without a better plan: the rounded one fits, and the LP bounds how far
+            # from the optimum it can be.
+            value = score(rounded)[1]
+            bound = max((value - lower) / max(abs(value), 1e-12), 0.0)
+            return rounded, SolveResult(
+                f"time limit (within gap {bound:.2g})", bound, time.perf_counter() - started, value
+            )
         if rounded is not None:
             if chosen is None:
                 status = "optimal" if gap <= 1e-9 else f"within gap {gap:g}"
@@ -654,7 +665,8 @@ def solve(
 
     Returns:
         a :class:`~lightning_osdp.plan.Plan`; ``plan.info`` holds ``status`` (``"optimal"``, ``"within gap X"``
-        or ``"time limit"``), the predicted peak and step time, the budget and the world size.
+        or ``"time limit"``, with the gap the LP bound proves when a plan is in hand), the predicted peak and step
+        time, the budget and the world size.
 
     Raises:
         InfeasibleBudgetError: no plan fits; its message states the smallest budget any plan meets and the
