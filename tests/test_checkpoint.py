@@ -393,7 +393,7 @@ def test_consolidated_checkpoint_loads_without_osdp_and_equals_what_ddp_writes(r
     # A half-written directory is refused by the command too.
     half = tmp_path / "x.ckpt.tmp-1"
     half.mkdir()
-    assert ckpt.consolidation.main([str(half), str(tmp_path / "y.ckpt")]) == 1
+    assert ckpt.consolidation.main([str(half), str(tmp_path / "y.ckpt")]) == 2  # `osdp consolidate`'s refusal
 
 
 # ============================================================================================== kill during save

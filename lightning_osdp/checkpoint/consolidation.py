@@ -1,7 +1,7 @@
 """Turn a sharded checkpoint into one plain Lightning ``.ckpt`` file.
 
-Function :func:`consolidate`, command ``python -m lightning_osdp.checkpoint.consolidate SRC OUT`` (:func:`main`; a
-console script should point at ``lightning_osdp.checkpoint.consolidation:main``).
+Function :func:`consolidate`; command ``osdp consolidate SRC OUT``, also run as
+``python -m lightning_osdp.checkpoint.consolidate SRC OUT`` (:func:`main`).
 
 The output is what ``state_dict_type="full"`` would have saved: ``MyModule.load_from_checkpoint(OUT)`` loads it with
 no OSDP and no process group, Lightning's DDP resumes from it, and so does OSDP under any plan. It needs no
@@ -10,11 +10,9 @@ process group and no GPU, but holds the whole model and optimizer state in memor
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,22 +81,8 @@ def _tuples(osd: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point (``osdp consolidate`` calls the same function)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_osdp.checkpoint.consolidate",
-        description="Turn a sharded lightning_osdp checkpoint directory into one Lightning .ckpt file that "
-        "MyModule.load_from_checkpoint() loads without OSDP or a process group.",
-    )
-    parser.add_argument("src", help="sharded checkpoint directory")
-    parser.add_argument("out", help="the .ckpt file to write")
-    parser.add_argument("--weights-only", action="store_true", help="leave the optimizer states out")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    try:
-        out = consolidate(args.src, args.out, optimizer=not args.weights_only)
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    size = out.stat().st_size
-    print(f"wrote {out} ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s")
-    return 0
+    """Command-line entry point: ``osdp consolidate`` with ``argv`` (default ``sys.argv[1:]``); returns its exit
+    status (2 when the checkpoint is refused, with the reason on stderr)."""
+    from lightning_osdp.cli import main as osdp
+
+    return osdp(["consolidate", *(sys.argv[1:] if argv is None else argv)])
