@@ -41,7 +41,7 @@ from lightning_osdp.profiling import profile
 from lightning_osdp.solver import minimum_budget, solve
 
 from gpt import GPTModule
-from throughput import RandomTokens
+from throughput import RandomTokens, fit_briefly
 
 
 def make_model(args: argparse.Namespace) -> GPTModule:
@@ -53,22 +53,8 @@ def make_model(args: argparse.Namespace) -> GPTModule:
 
 def measure(plan: Plan, args: argparse.Namespace) -> tuple[int, float]:
     """Train a few steps under ``plan``; the strategy's peak memory and median step time, max over ranks."""
-    model = make_model(args)
     strategy = OSDPStrategy(plan=plan, memory_steps=args.memory_steps)
-    data = DataLoader(RandomTokens(args.batch * 2 * (args.steps + 2), args.context), batch_size=args.batch)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=strategy,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(model, data)
+    fit_briefly(make_model(args), strategy, args)
     assert strategy.monitor is not None
     # Skip the steps run under the memory tracker (its dispatch hook slows them) and a few more: the first untracked
     # steps still run slower (allocator and caches warming up).

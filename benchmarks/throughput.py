@@ -89,6 +89,29 @@ class FSDPGradOpBaseline(FSDPBaseline):
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def fit_briefly(
+    model: L.LightningModule, strategy: Any, args: argparse.Namespace, callbacks: list[Callback] | None = None
+) -> L.Trainer:
+    """Train ``args.steps`` steps on random tokens on every rank, with nothing but the training loop (no logger,
+    checkpoints, progress bar or validation): what the benchmarks time."""
+    data = DataLoader(RandomTokens(args.batch * 2 * (args.steps + 2), args.context), batch_size=args.batch)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks or [],
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, data)
+    return trainer
+
+
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(0)
     kwargs = dict(
@@ -113,23 +136,8 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         strategy = OSDPStrategy(plan=plan)
     else:
         raise SystemExit(f"unknown case {case!r}")
-    model = cls(**kwargs)
     meter = Meter(memory_steps=args.memory_steps)
-    data = DataLoader(RandomTokens(args.batch * 2 * (args.steps + 2), args.context), batch_size=args.batch)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[meter],
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(model, data)
+    trainer = fit_briefly(cls(**kwargs), strategy, args, [meter])
     times = meter.times[args.warmup :]
     peak = torch.tensor([max(meter.peaks)], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
