@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lightning_osdp.cost_model import CostModelConfig, MemoryParts, predict
@@ -79,7 +81,16 @@ def test_full_shard_bytes_by_hand():
     assert prediction.peak_bytes == 488
     instants = dict(prediction.instants)
     assert instants["step start"] == 168
-    assert instants["loss"] == 168 + 100 + 80 + 20 + 60  # level, pending all-gather output, loss, logits
+    # On CPU the executor frees a unit's all-gather output when its forward ends: at the loss only the level
+    # (kept state and a's activations), the loss and the logits.
+    assert instants["loss"] == 168 + 100 + 20 + 60
+    # Where FSDP2 keeps it until the next gather or the root's post-forward (CUDA), it is still there at the loss.
+    kept = predict(
+        profile,
+        Plan({"": "no_shard", "a": "full_shard"}),
+        config=dataclasses.replace(CONFIG, release_all_gather_after_forward=False),
+    )
+    assert dict(kept.instants)["loss"] == 168 + 100 + 80 + 20 + 60
     assert instants["optimizer step"] == 168 + 2 * 32  # AdamW temporaries: twice the largest local parameter
 
 

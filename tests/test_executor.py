@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from lightning_osdp import Plan, PlanError, SplitLinear, apply_plan
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, plan_units
 from lightning_osdp.apply.state_dict import SliceAlias, SliceMap
 
+from conftest import ROOT, torchrun
 from models import TinyGPT
 
 
@@ -154,3 +157,26 @@ def test_clipping_a_mix_of_plain_and_sharded_gradients_equals_torch(world1: obje
     for a, b in zip(mixed.parameters(), reference.parameters(), strict=True):
         grad = a.grad.full_tensor() if isinstance(a.grad, DTensor) else a.grad
         torch.testing.assert_close(grad, b.grad)
+
+
+def test_the_releasing_all_gather_frees_only_a_live_buffer() -> None:
+    from lightning_osdp.comm import ReleasingAllGather
+
+    comm = ReleasingAllGather()
+    buffer = comm.allocate((64,), dtype=torch.float32, device=torch.device("cpu"))
+    comm.release()
+    assert buffer.untyped_storage().nbytes() == 0
+    dropped = comm.allocate((64,), dtype=torch.float32, device=torch.device("cpu"))
+    del dropped
+    comm.release()  # FSDP2 dropped it (backward): nothing to free, nothing was kept alive
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_on_two_cpu_ranks_a_units_all_gather_buffer_is_freed_when_its_forward_ends(tmp_path: Path) -> None:
+    torchrun(ROOT / "tests" / "distributed" / "release_runner.py", str(tmp_path), nproc=2, timeout=300)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"release.rank{rank}.json").read_text())
+        # FSDP2 alone keeps h.0's flat all-gather buffer (2 ranks x its padded shard) until the root's post-forward,
+        # through h.1 (no_shard) and the rest of the forward; OSDP's all-gather frees it when h.0's forward ends.
+        assert result["kept"] - result["released"] == result["flat_bytes"] > 0

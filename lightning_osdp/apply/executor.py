@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp.apply.split import split_linear
-from lightning_osdp.comm import reduce_scatter_comm
+from lightning_osdp.comm import ReleasingAllGather, reduce_scatter_comm, releases_all_gather_after_forward
 from lightning_osdp.plan import ROOT, Plan, PlanError
 
 __all__ = [
@@ -220,8 +220,9 @@ def apply_plan(
     # fully_shard is told to leave them to DDP.
     plain: set[nn.Parameter] = set()
     reduce_scatter = reduce_scatter_comm(mesh.get_group())
+    release = releases_all_gather_after_forward(mesh.device_type)
 
-    def shard(target: nn.Module, others: list[nn.Module], mode: str) -> None:
+    def shard(target: nn.Module, others: list[nn.Module], mode: str, *, releases: bool = True) -> None:
         fully_shard(
             [target, *others] if others else target,
             reshard_after_forward=(mode == "full_shard"),
@@ -230,6 +231,11 @@ def apply_plan(
         )
         if reduce_scatter is not None:
             target.set_custom_reduce_scatter(reduce_scatter)  # type: ignore[operator]
+        if release and releases:
+            all_gather = ReleasingAllGather()
+            target.set_custom_all_gather(all_gather)  # type: ignore[operator]
+            for module_ in (target, *others):
+                module_.register_forward_hook(lambda *_: all_gather.release())
 
     for unit in units:
         targets = [module.get_submodule(n) for n in unit.names]
@@ -242,8 +248,9 @@ def apply_plan(
     if root_mode == "no_shard":
         plain.update(p for p in module.parameters() if not isinstance(p, DTensor))
     else:
-        shard(root.root_unit, [], root_mode)
-    shard(root, [], "shard_grad_op")  # parameter-less: only the root hooks
+        # Its forward is the whole step: it ends with the root's, which frees the buffer anyway.
+        shard(root.root_unit, [], root_mode, releases=False)
+    shard(root, [], "shard_grad_op", releases=False)  # parameter-less: only the root hooks
     if any(p.requires_grad for p in plain):
         return ReplicatedModule(root, plan, mesh)
     return root

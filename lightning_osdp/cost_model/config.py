@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_osdp.comm import releases_all_gather_after_forward
 from lightning_osdp.profiling.model_profile import ModelProfile
 
 __all__ = ["CostModelConfig", "ResolvedConfig"]
@@ -67,6 +68,9 @@ class CostModelConfig:
             (single-tensor Adam allocates ``sqrt(v)`` and its quotient: 2).
         ddp_bucket_bytes: DDP's bucket size: ``no_shard`` gradients are all-reduced in calls of this many bytes,
             so each call's latency is shared by the units whose gradients fill it.
+        release_all_gather_after_forward: whether a sharded unit's forward all-gather buffer is freed when its
+            forward ends (the executor does so on CPU, ``lightning_osdp/comm.py``) rather than when the next FSDP2
+            unit gathers. ``None``: as the executor does on the profile's device.
     """
 
     overlap: float | None = None
@@ -80,6 +84,7 @@ class CostModelConfig:
     split_overhead_seconds: float = 1e-4
     optimizer_temporaries: float | None = None
     ddp_bucket_bytes: int = _DDP_BUCKET_BYTES
+    release_all_gather_after_forward: bool | None = None
 
     def resolve(self, profile: ModelProfile) -> ResolvedConfig:
         """Fill the ``None`` fields from ``profile`` (device, optimizer type, measured figures)."""
@@ -126,6 +131,11 @@ class CostModelConfig:
             optimizer_temporaries=float(temporaries),
             step_overhead_seconds=constant + framework,
             ddp_bucket_bytes=self.ddp_bucket_bytes,
+            release_all_gather_after_forward=(
+                releases_all_gather_after_forward("cpu" if on_cpu else "cuda")
+                if self.release_all_gather_after_forward is None
+                else self.release_all_gather_after_forward
+            ),
         )
 
 
@@ -145,3 +155,4 @@ class ResolvedConfig:
     optimizer_temporaries: float
     step_overhead_seconds: float
     ddp_bucket_bytes: int
+    release_all_gather_after_forward: bool

@@ -272,7 +272,9 @@ def timeline_input(info: ModelInfo, plan: Plan) -> tuple[TimelineInput[MemoryPar
         if isinstance(item, FreeRun):
             items.append(simulate_free(item))
         else:
-            costs = simulate_segment(item, temporaries)
+            costs = simulate_segment(
+                item, temporaries, release_after_forward=info.config.release_all_gather_after_forward
+            )
             items.append(SegmentChoice(item.entry, {0: costs}, item.bounds[0], item.bounds[1]))
             units.extend(item.units)
     globals_ = [GlobalChoice(g.decision_name, {0: g}, is_root=(g.decision_name == "")) for g in structure.globals]
@@ -286,6 +288,7 @@ def timeline_input(info: ModelInfo, plan: Plan) -> tuple[TimelineInput[MemoryPar
         optimizer_temporaries=temporaries,
         any_sharded=any(d.mode in SHARDED_MODES for d in plan.decisions.values()),
         globals_bound_pending=structure.globals_bound_pending,
+        release_after_forward=info.config.release_all_gather_after_forward,
     )
     return spec, [*structure.globals, *units]
 

@@ -132,8 +132,12 @@ def _order_by_post_forward(node: Node, out: list[int]) -> None:
         out.append(node.unit)
 
 
-def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentCosts:
-    """Simulate one segment's forward, backward and deferred reductions, event by event (FSDP2's order)."""
+def simulate_segment(
+    segment: Segment, optimizer_temporaries: float, *, release_after_forward: bool = False
+) -> SegmentCosts:
+    """Simulate one segment's forward, backward and deferred reductions, event by event (FSDP2's order).
+    ``release_after_forward``: a sharded unit's all-gather buffer is freed when its forward ends (CPU, see
+    ``lightning_osdp/comm.py``), not kept for the next unit's gather."""
     units = segment.units
     b = [u.bytes for u in units]
 
@@ -141,6 +145,7 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
     cur = ZERO
     pending_alive = True  # the previous unit's all-gather output (another segment's)
     own_pending = ZERO
+    pending_owner: int | None = None
     peak_pending: MemoryParts | None = ZERO  # the segment's first instant is a real state of this class
     peak_after: MemoryParts | None = None
     frees = False
@@ -153,7 +158,7 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
             peak_after = _max(peak_after, value)
 
     def pre_forward(i: int) -> None:
-        nonlocal cur, pending_alive, own_pending, frees
+        nonlocal cur, pending_alive, own_pending, frees, pending_owner
         u = b[i]
         if not u.sharded:
             return  # DDP's parameters: no FSDP2 hook runs, the pending all-gather output stays
@@ -168,7 +173,14 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
             cur -= own_pending
         cur += _gathered(u.gathered)
         fwd_checkpoint(cur)
-        own_pending = _comm(u.flat)
+        own_pending, pending_owner = _comm(u.flat), i
+
+    def release(i: int) -> None:
+        # The unit's own buffer, if a nested unit's gather has not freed it already.
+        nonlocal cur, own_pending, pending_owner
+        if pending_owner == i:
+            cur -= own_pending
+            own_pending, pending_owner = ZERO, None
 
     def forward(node: Node) -> None:
         nonlocal cur
@@ -180,6 +192,8 @@ def simulate_segment(segment: Segment, optimizer_temporaries: float) -> SegmentC
         fwd_checkpoint(cur + _acts(node.out))
         if node.unit is not None and b[node.unit].mode == "full_shard":
             cur -= _gathered(b[node.unit].gathered)
+        if node.unit is not None and b[node.unit].sharded and release_after_forward:
+            release(node.unit)
 
     forward(segment.root)
     fwd_net = cur - own_pending
@@ -416,6 +430,8 @@ class TimelineInput(Generic[V]):
     any_sharded: bool = True
     #: the largest all-gather output a global unit (root, tied group) could leave pending
     globals_bound_pending: int = 0
+    #: sharded units free their forward all-gather buffer when their forward ends (nothing pending between them)
+    release_after_forward: bool = False
 
 
 def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
@@ -477,7 +493,8 @@ def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
             pending = be.choice(item.key, {o: c.pending if frees[o] else bound for o, c in item.options.items()})
         else:
             pending = seg(item, "pending")
-        bound_pending = max(bound_pending, item.bound_pending)
+        if not spec.release_after_forward:
+            bound_pending = max(bound_pending, item.bound_pending)
         level = be.materialize(be.add(level, seg(item, "fwd_net")), f"fwd_level_{i}")
 
     # ------------------------------------------------------------------ loss, end of forward

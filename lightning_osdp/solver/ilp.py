@@ -185,7 +185,12 @@ class PlanningProblem:
                 for i, option in enumerate(options):
                     segment = build_segment(self.info, item, dict(option.decisions), excluded=self.layout.excluded)
                     costs[i] = dataclasses.replace(
-                        simulate_segment(segment, self.config.optimizer_temporaries), units=()
+                        simulate_segment(
+                            segment,
+                            self.config.optimizer_temporaries,
+                            release_after_forward=self.config.release_all_gather_after_forward,
+                        ),
+                        units=(),
                     )
                 kept = _prune(costs)
                 cache[signature] = ([options[i] for i in kept], {j: costs[i] for j, i in enumerate(kept)})
@@ -206,6 +211,7 @@ class PlanningProblem:
             last_output_bytes=profile.modules[self.info.leaves[-1]].output_bytes if self.info.leaves else 0,
             buffer_bytes=sum(int(getattr(mp, "buffer_bytes", 0) or 0) for mp in profile.modules.values()),
             optimizer_temporaries=self.config.optimizer_temporaries,
+            release_after_forward=self.config.release_all_gather_after_forward,
             globals_bound_pending=max(
                 [
                     global_unit(self.info, ROOT, (ROOT,), self.layout.root_cover, "full_shard").bytes.flat,
