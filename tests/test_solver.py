@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import pulp
 import pytest
 
 from lightning_osdp.cost_model import predict
@@ -142,6 +143,32 @@ def test_ilp_optimum_equals_brute_force_under_the_cost_model(seed, units, blocks
             assert plan.info["ilp_peak_bytes"] >= plan.info["predicted_peak_bytes"]
         assert plan.info["predicted_peak_bytes"] <= budget
         assert plan.info["status"] == "optimal"
+
+
+def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
+    # Ten identical blocks: rounding the LP leaves a fraction of a block, which the count relaxation closes (the
+    # proof plain branch and bound needs every permutation of the blocks for). The plan must be the ILP's true
+    # optimum, as CBC finds it with no gap on this size.
+    profile = gpt_profile(depth=10, width=64)
+    problem = PlanningProblem(profile, 2, splits=(1, 2))
+    assert [len(c) for c in problem.classes] == [8]  # the first and last block are left out of the class
+    low = minimum_budget(profile, 2, splits=(1, 2))
+    high = peaks(profile)[1]
+    bounds = set()
+    for fraction in (0.1, 0.3, 0.35, 0.5, 0.7, 0.9):
+        budget = int(low + (high - low) * fraction)
+        plan = solve(profile, budget, 2, splits=(1, 2))
+        be = problem.build()
+        formulated = problem._formulate(be, budget)
+        assert formulated is not None
+        prob = formulated[0]
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=0, gapAbs=0))
+        assert prob.sol_status == pulp.LpSolutionOptimal
+        assert plan.info["predicted_step_seconds"] == pytest.approx(pulp.value(prob.objective) / 1e3, rel=1e-9)
+        assert plan.info["predicted_peak_bytes"] <= budget
+        assert plan.info["status"] == "optimal" or plan.info["status"] == "within gap 0.001"
+        bounds.add(plan.info["bound"])
+    assert "count relaxation" in bounds
 
 
 def test_a_plan_never_exceeds_the_budget_it_was_solved_for():

@@ -21,13 +21,28 @@ added seconds (exposed communication, copies, optimizer, overhead) are precomput
 [Note: solving]
 The LP relaxation is solved first (CBC, ``mip=False``): it is a lower bound, and in practice only one or two
 choices come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan
-that fits; when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise a
-small branch and bound over the fractional choices and a spread of others (the rest fixed) looks for the swaps
-rounding misses, and failing that CBC's branch and bound runs on the whole problem with ``gapRel`` and
+that fits; when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise the
+count relaxation below tightens the bound and may place a better plan; then a small branch and bound over the
+fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses, and failing that
+CBC's branch and bound runs on the whole problem with ``gapRel`` and
 ``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its ``sol_status`` and
 log decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility (then the
 smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
 feasibility pump alone takes longer than the whole LP-and-round path.
+
+[Note: identical segments]
+A Transformer's blocks are identical segments: same options, same costs. The step time depends only on how many
+of them take each option, and the memory rows mostly through sums over them (the level at the end of the forward,
+the loss, the optimizer step), so plans that permute options among blocks tie, and the LP's fractional block (the
+"0.46 of a block stays no_shard" of a budget between two whole counts) leaves a gap of up to one block's cost that
+CBC's branch and bound cannot close through the permutations: 75 blocks ran into the 10 s limit at a 0.6% gap.
+Each run of identical segments, less its first and last (the instants around them tell them apart), is a class
+with an integer count variable per option (``count = sum of the class's binaries``; redundant in the ILP). The
+*count relaxation* makes the class's binaries continuous and keeps the counts integer: a relaxation of the ILP, so
+its optimum is a lower bound, branched on a few dozen integers instead of thousands, and tight where the rows see
+the class only through its sums. If rounding is not within the gap of it, the counts it found are placed (the ILP
+with the counts fixed), which on the models measured gave the optimum at once. CBC's preprocessing and primal
+heuristics are turned off for both (``_LIGHT``): on these few integers they cost more than the search.
 """
 
 from __future__ import annotations
@@ -100,12 +115,13 @@ class SolverError(RuntimeError):
 
 @dataclass(frozen=True)
 class SolveResult:
-    """How CBC ended."""
+    """How the solve ended; ``bound`` names what proves the gap (see [Note: solving])."""
 
     status: str
     gap: float | None
     seconds: float
     objective: float
+    bound: str = "branch and bound"
 
 
 class PlanningProblem:
@@ -174,6 +190,8 @@ class PlanningProblem:
         cache: dict[tuple[Any, ...], tuple[list[SegmentOption], dict[Hashable, SegmentCosts]]] = {}
         items: list[SegmentChoice | FreeCosts] = []
         self.option_count = 0
+        #: segments with identical options and costs, by signature (see [Note: identical segments])
+        classes: dict[tuple[Any, ...], list[Hashable]] = {}
         for item in self.layout.items:
             if isinstance(item, list):
                 items.append(simulate_free(free_run(self.info, item)))
@@ -195,6 +213,7 @@ class PlanningProblem:
                 kept = _prune(costs)
                 cache[signature] = ([options[i] for i in kept], {j: costs[i] for j, i in enumerate(kept)})
             relative, kept_costs = cache[signature]
+            classes.setdefault(signature, []).append(item)
             for j, option in enumerate(relative):
                 decisions = tuple((item + name[len(relative_entry(option)) :], d) for name, d in option.decisions)
                 self.option_decisions[(item, j)] = decisions
@@ -202,6 +221,9 @@ class PlanningProblem:
             self.option_count += len(kept_costs)
             items.append(SegmentChoice(item, kept_costs, *segment_bounds(self.info, item, self.layout.excluded)))
         self.option_count += sum(len(g.options) for g in globals_)
+        # The first and last of a run are left out: the instants around them (the end of the forward, the loss)
+        # tell them apart from the others.
+        self.classes: list[list[Hashable]] = [keys[1:-1] for keys in classes.values() if len(keys) > 3]
         self.spec: TimelineInput[LinExpr] = TimelineInput(
             globals=globals_,
             items=items,
@@ -263,12 +285,12 @@ class PlanningProblem:
         build_timeline(self.spec, be)
         return be
 
-    def solve_ilp(
-        self, be: LinearBackend, *, budget: int | None, gap: float, time_limit: float
-    ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-        """Minimise step time under ``budget`` (bytes), or (``budget=None``) minimise the peak. Returns the chosen
-        option per choice (``None`` when infeasible) and how CBC ended (see [Note: solving])."""
-        started = time.perf_counter()
+    def _formulate(
+        self, be: LinearBackend, budget: int | None
+    ) -> tuple[pulp.LpProblem, list[pulp.LpVariable], dict[tuple[int, Hashable], pulp.LpVariable]] | None:
+        """The ILP in pulp: step time under ``budget``, or (``budget=None``) the peak; with the integer count of
+        each option in each class of identical segments (redundant in the ILP; the count relaxation's variables,
+        see [Note: identical segments]). ``None`` when a checkpoint no option touches exceeds the budget."""
         prob = pulp.LpProblem("osdp", pulp.LpMinimize)
         xs = [pulp.LpVariable(v.name, cat=pulp.LpBinary if v.binary else pulp.LpContinuous) for v in be.variables]
 
@@ -283,18 +305,22 @@ class PlanningProblem:
             prob += affine(be.objective)
         for key, options in be.options.items():
             prob += pulp.lpSum(xs[be.binaries[(key, o)]] for o in options) == 1
+        counts: dict[tuple[int, Hashable], pulp.LpVariable] = {}
+        for c, keys in enumerate(self.classes):
+            for o in be.options[keys[0]]:
+                n = pulp.LpVariable(f"count_{c}_{o}", lowBound=0, upBound=len(keys), cat=pulp.LpInteger)
+                counts[(c, o)] = n
+                prob += pulp.lpSum(xs[be.binaries[(key, o)]] for key in keys) - n == 0
         for i, v in enumerate(be.variables):
             if v.definition is not None:
                 prob += affine(v.definition - LinExpr({i: 1.0})) == 0
             for e in v.maximum_of:
                 prob += affine(e - LinExpr({i: 1.0})) <= 0
-        # Peaks are whole bytes: half a byte of slack admits a peak equal to the budget and nothing above it
-        # (CBC's feasibility tolerance, 1e-7 MiB, is a tenth of a byte).
-        rhs = None if budget is None else (budget + 0.5) / MIB
+        rhs = None if budget is None else _rhs(budget)
         for _, e in be.checkpoints:
             if not e.terms:
                 if rhs is not None and e.const > rhs:
-                    return None, SolveResult("infeasible", None, 0.0, math.nan)
+                    return None
                 if peak is None:
                     continue
             if peak is None:
@@ -302,11 +328,37 @@ class PlanningProblem:
                 prob += affine(e) <= rhs
             else:
                 prob += affine(e) - peak <= 0
+        return prob, xs, counts
+
+    def solve_ilp(
+        self, be: LinearBackend, *, budget: int | None, gap: float, time_limit: float
+    ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+        """Minimise step time under ``budget`` (bytes), or (``budget=None``) minimise the peak. Returns the chosen
+        option per choice (``None`` when infeasible) and how CBC ended (see [Note: solving])."""
+        started = time.perf_counter()
+        formulated = self._formulate(be, budget)
+        if formulated is None:
+            return None, SolveResult("infeasible", None, 0.0, math.nan)
+        prob, xs, counts = formulated
+        rhs = None if budget is None else _rhs(budget)
 
         def score(chosen: dict[Hashable, Hashable]) -> tuple[float, float]:
             ev = be.evaluator(chosen)
             top = max(ev(e) for _, e in be.checkpoints)
             return top, (top if budget is None else ev(be.objective))
+
+        def fits(chosen: dict[Hashable, Hashable]) -> bool:
+            return rhs is None or score(chosen)[0] <= rhs
+
+        def loss(value: float, lower: float) -> float:
+            return max((value - lower) / max(abs(value), 1e-12), 0.0)
+
+        def done(
+            chosen: dict[Hashable, Hashable], value: float, lower: float
+        ) -> tuple[dict[Hashable, Hashable], SolveResult]:
+            achieved = loss(value, lower)
+            status = "optimal" if achieved <= 1e-9 else f"within gap {gap:g}"
+            return chosen, SolveResult(status, achieved, time.perf_counter() - started, value, proof)
 
         # 1. The LP relaxation: a lower bound, and (multiple-choice knapsacks being what they are) a solution with
         #    very few fractional choices.
@@ -314,7 +366,10 @@ class PlanningProblem:
         if prob.status == pulp.LpStatusInfeasible:
             return None, SolveResult("infeasible", None, time.perf_counter() - started, math.nan)
         lower = pulp.value(prob.objective)
+        proof = "LP relaxation"
         rounded: dict[Hashable, Hashable] | None = None
+        value = math.inf
+        fractional: dict[Hashable, list[Hashable]] = {}
         if prob.status == pulp.LpStatusOptimal and lower is not None:
             lower = float(lower)
             rounded, fractional = self._round(be, xs)
@@ -329,7 +384,7 @@ class PlanningProblem:
                 rounded = best
                 top, value = score(rounded)
             if rhs is not None and top > rhs:
-                rounded = None
+                rounded, value = None, math.inf
             else:
                 for key in fractional:
                     for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
@@ -340,18 +395,29 @@ class PlanningProblem:
                         if (rhs is None or t_top <= rhs) and t_value < value:
                             rounded, value = trial, t_value
                             break
-                achieved = (value - lower) / max(abs(value), 1e-12)
-                if achieved > gap and len(be.options) > _NEIGHBOURHOOD:
-                    # Rounding lost more than the gap: re-optimise a few choices around it, the rest fixed.
-                    better = self._neighbourhood(prob, be, xs, rounded, fractional, gap, time_limit / 4)
-                    if better is not None:
-                        b_top, b_value = score(better)
-                        if (rhs is None or b_top <= rhs) and b_value < value:
-                            rounded, value = better, b_value
-                            achieved = (value - lower) / max(abs(value), 1e-12)
-                if achieved <= gap:
-                    status = "optimal" if achieved <= 1e-9 else f"within gap {gap:g}"
-                    return rounded, SolveResult(status, max(achieved, 0.0), time.perf_counter() - started, value)
+                if loss(value, lower) <= gap:
+                    return done(rounded, value, lower)
+            if self.classes:
+                # Rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it
+                # (see [Note: identical segments]), and its counts are placed if they beat the rounded plan.
+                counted = self._count_relaxation(prob, be, xs, counts, gap, time_limit / 4)
+                if counted is not None:
+                    bound, found = counted
+                    if bound > lower:
+                        lower, proof = bound, "count relaxation"
+                    if rounded is None or loss(value, lower) > gap:
+                        placed = self._with_counts(prob, be, xs, counts, found, gap, time_limit / 4)
+                        if placed is not None and fits(placed) and score(placed)[1] < value:
+                            rounded, value = placed, score(placed)[1]
+                    if rounded is not None and loss(value, lower) <= gap:
+                        return done(rounded, value, lower)
+            if rounded is not None and len(be.options) > _NEIGHBOURHOOD:
+                # Rounding lost more than the gap: re-optimise a few choices around it, the rest fixed.
+                better = self._neighbourhood(prob, be, xs, rounded, fractional, gap, time_limit / 4)
+                if better is not None and fits(better) and score(better)[1] < value:
+                    rounded, value = better, score(better)[1]
+                if loss(value, lower) <= gap:
+                    return done(rounded, value, lower)
         # 2. Branch and bound. With a rounded plan that fits, CBC only looks for plans better than it by more than the
         #    gap (a cutoff): "infeasible" then proves the rounded plan is within the gap of the optimum.
         left = max(time_limit - (time.perf_counter() - started), 1.0)
@@ -367,12 +433,13 @@ class PlanningProblem:
         except SolverError:
             if rounded is None or lower is None:
                 raise
-            # Branch and bound ran out of time without a better plan: the rounded one fits, and the LP bounds how far
+            # Branch and bound ran out of time without a better plan: the rounded one fits, and the LP (or the count
+            # relaxation) bounds how far
             # from the optimum it can be.
             value = score(rounded)[1]
             bound = max((value - lower) / max(abs(value), 1e-12), 0.0)
             return rounded, SolveResult(
-                f"time limit (within gap {bound:.2g})", bound, time.perf_counter() - started, value
+                f"time limit (within gap {bound:.2g})", bound, time.perf_counter() - started, value, proof
             )
         if rounded is not None:
             if chosen is None:
@@ -382,6 +449,61 @@ class PlanningProblem:
             if (rhs is not None and c_top > rhs) or score(rounded)[1] < c_value:
                 chosen = rounded
         return chosen, dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+    def _count_relaxation(
+        self,
+        prob: pulp.LpProblem,
+        be: LinearBackend,
+        xs: list[pulp.LpVariable],
+        counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
+        gap: float,
+        time_limit: float,
+    ) -> tuple[float, dict[tuple[int, Hashable], int]] | None:
+        """The lower bound of the count relaxation (see [Note: identical segments]) and its integer counts per
+        (class, option); ``None`` when CBC ends without one."""
+        relaxed = [xs[be.binaries[(key, o)]] for keys in self.classes for key in keys for o in be.options[key]]
+        for x in relaxed:
+            x.cat = pulp.LpContinuous
+        try:
+            _, result = _run_cbc(
+                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), options=_LIGHT
+            )
+        except SolverError:
+            return None
+        finally:
+            for x in relaxed:
+                x.cat = pulp.LpBinary
+        if result.status == "infeasible" or math.isnan(result.objective):
+            return None
+        if result.gap is None and result.status != "optimal":
+            return None
+        bound = result.objective - (result.gap or 0.0) * abs(result.objective)
+        return bound, {k: round(n.value() or 0.0) for k, n in counts.items()}
+
+    def _with_counts(
+        self,
+        prob: pulp.LpProblem,
+        be: LinearBackend,
+        xs: list[pulp.LpVariable],
+        counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
+        values: Mapping[tuple[int, Hashable], int],
+        gap: float,
+        time_limit: float,
+    ) -> dict[Hashable, Hashable] | None:
+        """Branch and bound with each class of identical segments held to the counts ``values``: where the count
+        relaxation's segments go (its time is fixed, only the peak is left to satisfy)."""
+        for k, n in counts.items():
+            n.lowBound = n.upBound = values[k]
+        try:
+            chosen, _ = _run_cbc(
+                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), options=_LIGHT
+            )
+        except SolverError:
+            chosen = None
+        finally:
+            for k, n in counts.items():
+                n.lowBound, n.upBound = 0, len(self.classes[k[0]])
+        return chosen
 
     def _neighbourhood(
         self,
@@ -467,6 +589,12 @@ class PlanningProblem:
         return _predict(self.profile, plan, self.world_size, self.config)
 
 
+def _rhs(budget: int) -> float:
+    # Peaks are whole bytes: half a byte of slack admits a peak equal to the budget and nothing above it (CBC's
+    # feasibility tolerance, 1e-7 MiB, is a tenth of a byte).
+    return (budget + 0.5) / MIB
+
+
 def relative_entry(option: SegmentOption) -> str:
     """The entry module of the segment an option was generated for (its first decision)."""
     return option.decisions[0][0]
@@ -521,6 +649,10 @@ def _prune(costs: dict[K, SegmentCosts]) -> list[K]:
     return kept
 
 
+#: CBC options for the count relaxation and the placement of its counts: their few integer variables branch
+#: quickly, and CBC's preprocessing and primal heuristics cost more than the search (75 blocks: 1.2 s -> 0.4 s).
+_LIGHT = ("preprocess off", "heur off")
+
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
 
@@ -537,6 +669,7 @@ def _run_cbc(
     absolute_gap: float | None,
     time_limit: float,
     cutoff: float | None = None,
+    options: Sequence[str] = (),
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
     """Branch and bound; with ``cutoff`` (objective without its constant) only better plans are searched.
 
@@ -547,9 +680,9 @@ def _run_cbc(
     """
     with tempfile.TemporaryDirectory(prefix="osdp_cbc_") as tmp:
         log = os.path.join(tmp, "cbc.log")
-        options = [f"cutoff {cutoff!r}"] if cutoff is not None else []
+        args = [*options, *([f"cutoff {cutoff!r}"] if cutoff is not None else [])]
         solver = pulp.PULP_CBC_CMD(
-            msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=options
+            msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=args
         )
         started = time.perf_counter()
         prob.solve(solver)
@@ -671,8 +804,9 @@ def solve(
 
     Returns:
         a :class:`~lightning_osdp.plan.Plan`; ``plan.info`` holds ``status`` (``"optimal"``, ``"within gap X"``
-        or ``"time limit"``, with the gap the LP bound proves when a plan is in hand), the predicted peak and step
-        time, the budget and the world size.
+        or ``"time limit"``, with the gap the lower bound proves when a plan is in hand), ``bound`` (what proves
+        it: ``"LP relaxation"``, ``"count relaxation"``, ``"branch and bound"`` or ``"exact check"``), the
+        predicted peak and step time, the budget and the world size.
 
     Raises:
         InfeasibleBudgetError: no plan fits; its message states the smallest budget any plan meets and the
@@ -689,14 +823,13 @@ def solve(
     chosen, result = problem.solve_ilp(be, budget=budget, gap=gap, time_limit=time_limit)
     # The ILP bounds FSDP2's pending buffers after DDP segments from above (timeline.py's [Note: pending buffers
     # across DDP segments]); a plan that shards nothing has none, so it is checked exactly.
+    # (The ILP's step time is the predictor's, so only a faster replicated plan is predicted.)
     replicated = _all_no_shard(problem, be)
-    if replicated is not None:
+    if replicated is not None and (chosen is None or _ilp_figures(be, replicated)[1] < _ilp_figures(be, chosen)[1]):
         exact = problem.predict(problem.plan(replicated))
-        if exact.peak_bytes <= budget and (
-            chosen is None or exact.step_seconds < problem.predict(problem.plan(chosen)).step_seconds
-        ):
+        if exact.peak_bytes <= budget:
             if chosen is None:
-                result = SolveResult("optimal", 0.0, result.seconds, exact.step_seconds * 1e3)
+                result = SolveResult("optimal", 0.0, result.seconds, exact.step_seconds * 1e3, "exact check")
             chosen = replicated
     if chosen is None:
         raise _infeasible(problem, budget, time_limit)
@@ -706,6 +839,7 @@ def solve(
     plan.info = {
         "source": "lightning_osdp.solver",
         "status": result.status,
+        "bound": result.bound,
         "gap": gap,
         "budget_bytes": budget,
         "world_size": ws,
