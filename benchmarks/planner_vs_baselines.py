@@ -12,12 +12,16 @@ Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/planner_vs_
    (profile, solve, apply, train) and measures it the same way.
 4. Repeats every case for ``--rounds`` rounds, interleaved (each round runs all cases, in a rotated order), so
    that load on a shared machine hits every case alike; OSDP's later rounds train with the plan its first round
-   chose (saved by ``plan_out``). Throughput is the median over rounds, peak memory the largest.
+   chose (saved by ``plan_out``). A round's throughput comes from its median step; peak memory is the largest
+   over rounds.
 
 Prints, per budget: OSDP's throughput and measured peak (and whether it stayed under the budget), the best
-baseline whose measured peak fits the budget, the ratios to it and to FULL_SHARD (of the medians, and their
-range over the rounds). Every figure comes from the same callback (wall time per training batch, CPU
-live-storage peak), see ``benchmarks/throughput.py``.
+baseline whose measured peak fits the budget, and the ratios to it and to FULL_SHARD, each two ways: of the
+*fastest* round of each case, and of the *median* round. On a shared machine, load from elsewhere only slows a
+round down, so the fastest round is the closest to what the code costs (``timeit``'s reasoning); the median is
+printed next to it, as is the range of the per-round ratios. Then the issue's targets, checked on both. Every
+figure comes from the same callback (wall time per training batch, CPU live-storage peak), see
+``benchmarks/throughput.py``.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ def main() -> None:
     def speed(case: str) -> float:
         return statistics.median(run["samples_per_s"] for run in runs[case])
 
+    def fastest(case: str) -> float:
+        return max(run["samples_per_s"] for run in runs[case])
+
     def peak(case: str) -> int:
         return max(run["peak_bytes"] for run in runs[case])
 
@@ -99,17 +106,21 @@ def main() -> None:
     for budget in budgets:
         case = f"osdp@{budget}"
         fitting = [name for name in names if peak(name) <= budget]
-        best = max(fitting, key=speed) if fitting else None
+        best = max(fitting, key=fastest) if fitting else None
+        best_median = max(fitting, key=speed) if fitting else None
         rows.append(
             {
                 "budget": budget,
                 "samples_per_s": speed(case),
+                "fastest_samples_per_s": fastest(case),
                 "samples_per_s_rounds": speeds(case),
                 "peak_bytes": peak(case),
                 "plan": runs[case][0]["plan"],
                 "best_baseline": best,
-                "vs_best": speed(case) / speed(best) if best else None,
+                "vs_best_fastest": fastest(case) / fastest(best) if best else None,
+                "vs_best": speed(case) / speed(best_median) if best_median else None,
                 "vs_best_range": _ratio_range(speeds(case), speeds(best)) if best else "-",
+                "vs_full_shard_fastest": fastest(case) / fastest("fsdp_full"),
                 "vs_full_shard": speed(case) / speed("fsdp_full"),
                 "vs_full_shard_range": _ratio_range(speeds(case), speeds("fsdp_full")),
             }
@@ -118,26 +129,45 @@ def main() -> None:
         return
     print(
         f"\nmodel: {runs['ddp'][0]['params'] / 1e6:.2f}M parameters, batch {args.batch} x {args.context} per rank, "
-        f"{args.rounds} interleaved rounds of {args.steps} steps (median of the last {args.steps - args.warmup})"
+        f"{args.rounds} interleaved rounds of {args.steps} steps (each round: median of the last "
+        f"{args.steps - args.warmup})"
     )
-    print(f"{'baseline':<14}{'samples/s':>10}{'peak':>12}  rounds")
+    print(f"{'baseline':<14}{'fastest/s':>10}{'median/s':>10}{'peak':>12}  rounds")
     for name in names:
         rounds = " ".join(f"{x:.1f}" for x in speeds(name))
-        print(f"{name:<14}{speed(name):>10.1f}{format_bytes(peak(name)):>12}  {rounds}")
+        print(f"{name:<14}{fastest(name):>10.1f}{speed(name):>10.1f}{format_bytes(peak(name)):>12}  {rounds}")
     print(
         f"budgets from the smallest feasible one ({format_bytes(low)}) to DDP's requirement ({format_bytes(high)}: "
         f"its measured peak over 1 - {headroom:.0%} planner headroom)\n"
     )
     print(
-        f"{'budget':>11}{'OSDP/s':>8}{'OSDP peak':>12}{'fits':>5}{'best fitting':>14}{'vs best':>8}{'range':>11}"
-        f"{'vs FULL':>8}{'range':>11}  plan"
+        f"{'budget':>11}{'fastest/s':>10}{'median/s':>9}{'OSDP peak':>12}{'fits':>5}{'best fitting':>14}"
+        f"{'vs best':>13}{'range':>11}{'vs FULL':>13}{'range':>11}  plan"
     )
-    for r in rows:
-        vs_best = f"{r['vs_best']:.2f}" if r["vs_best"] is not None else "-"
+    print(f"{'':>61}{'fast / med':>13}{'':>11}{'fast / med':>13}")
+    for row in rows:
+        vs_best = f"{row['vs_best_fastest']:.2f} / {row['vs_best']:.2f}" if row["best_baseline"] else "-"
+        vs_full = f"{row['vs_full_shard_fastest']:.2f} / {row['vs_full_shard']:.2f}"
         print(
-            f"{format_bytes(r['budget']):>11}{r['samples_per_s']:>8.1f}{format_bytes(r['peak_bytes']):>12}"
-            f"{'yes' if r['peak_bytes'] <= r['budget'] else 'NO':>5}{r['best_baseline'] or 'none':>14}"
-            f"{vs_best:>8}{r['vs_best_range']:>11}{r['vs_full_shard']:>8.2f}{r['vs_full_shard_range']:>11}  {r['plan']}"
+            f"{format_bytes(row['budget']):>11}{row['fastest_samples_per_s']:>10.1f}{row['samples_per_s']:>9.1f}"
+            f"{format_bytes(row['peak_bytes']):>12}{'yes' if row['peak_bytes'] <= row['budget'] else 'NO':>5}"
+            f"{row['best_baseline'] or 'none':>14}{vs_best:>13}{row['vs_best_range']:>11}{vs_full:>13}"
+            f"{row['vs_full_shard_range']:>11}  {row['plan']}"
+        )
+    middle = rows[len(rows) // 2]
+    for label, best_key, full_key in (
+        ("fastest rounds", "vs_best_fastest", "vs_full_shard_fastest"),
+        ("median rounds", "vs_best", "vs_full_shard"),
+    ):
+        ratios = [row[best_key] for row in rows if row[best_key] is not None]
+        worst = f"{min(ratios):.2f}" if ratios else "no baseline fits"
+        fits = all(row["peak_bytes"] <= row["budget"] for row in rows)
+        print(
+            f"targets ({label}): every peak under its budget: {'met' if fits else 'NOT met'}; "
+            f">= 0.97x the best fitting baseline at every budget: "
+            f"{'met' if ratios and min(ratios) >= 0.97 else 'NOT met'} (lowest {worst}); "
+            f">= 1.3x FULL_SHARD at the halfway budget ({format_bytes(middle['budget'])}): "
+            f"{'met' if middle[full_key] >= 1.3 else 'NOT met'} ({middle[full_key]:.2f})"
         )
     if args.out:
         args.out.write_text(
