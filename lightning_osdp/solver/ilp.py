@@ -402,9 +402,11 @@ class PlanningProblem:
                 # (see [Note: identical segments]), and its counts are placed if they beat the rounded plan.
                 counted = self._count_relaxation(prob, be, xs, counts, gap, time_limit / 4)
                 if counted is not None:
-                    bound, found = counted
+                    bound, found, whole = counted
                     if bound > lower:
                         lower, proof = bound, "count relaxation"
+                    if whole is not None and fits(whole) and score(whole)[1] < value:
+                        rounded, value = whole, score(whole)[1]
                     if rounded is None or loss(value, lower) > gap:
                         placed = self._with_counts(prob, be, xs, counts, found, gap, time_limit / 4)
                         if placed is not None and fits(placed) and score(placed)[1] < value:
@@ -458,9 +460,10 @@ class PlanningProblem:
         counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
         gap: float,
         time_limit: float,
-    ) -> tuple[float, dict[tuple[int, Hashable], int]] | None:
-        """The lower bound of the count relaxation (see [Note: identical segments]) and its integer counts per
-        (class, option); ``None`` when CBC ends without one."""
+    ) -> tuple[float, dict[tuple[int, Hashable], int], dict[Hashable, Hashable] | None] | None:
+        """The lower bound of the count relaxation (see [Note: identical segments]), its integer counts per
+        (class, option), and its solution as a plan when every choice in it came out whole (then it is a plan of
+        the ILP, and an optimal one when the bound is its value); ``None`` when CBC ends without a bound."""
         relaxed = [xs[be.binaries[(key, o)]] for keys in self.classes for key in keys for o in be.options[key]]
         for x in relaxed:
             x.cat = pulp.LpContinuous
@@ -478,7 +481,14 @@ class PlanningProblem:
         if result.gap is None and result.status != "optimal":
             return None
         bound = result.objective - (result.gap or 0.0) * abs(result.objective)
-        return bound, {k: round(n.value() or 0.0) for k, n in counts.items()}
+        whole = all(min(v, 1.0 - v) <= 1e-6 for v in ((x.value() or 0.0) for x in relaxed))
+        chosen = None
+        if whole:
+            chosen = {
+                key: max(options, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0)
+                for key, options in be.options.items()
+            }
+        return bound, {k: round(n.value() or 0.0) for k, n in counts.items()}, chosen
 
     def _with_counts(
         self,
