@@ -168,6 +168,17 @@ def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
         assert plan.info["predicted_peak_bytes"] <= budget
         assert plan.info["status"] == "optimal" or plan.info["status"] == "within gap 0.001"
         bounds.add(plan.info["bound"])
+        # The placement of the relaxation's counts (used when its solution is not whole) holds them and fits.
+        counted = problem._count_relaxation(prob, be, formulated[1], formulated[2], 1e-3, 10.0)
+        assert counted is not None
+        bound, counts, _ = counted
+        placed = problem._with_counts(prob, be, formulated[1], formulated[2], counts, 1e-3, 10.0)
+        assert placed is not None
+        for (c, option), n in counts.items():
+            assert sum(placed[key] == option for key in problem.classes[c]) == n
+        evaluate = be.evaluator(placed)
+        assert max(evaluate(e) for _, e in be.checkpoints) <= (budget + 0.5) / 2**20
+        assert evaluate(be.objective) >= bound * (1 - 1e-6)
     assert "count relaxation" in bounds
 
 
