@@ -149,12 +149,12 @@ def main() -> None:
     if rank == 0:
         header = f"{'plan':<14}{'pred MiB':>10}{'meas MiB':>10}{'ratio':>8}{'pred ms':>10}{'meas ms':>10}{'ratio':>8}"
         print(f"\n{header}  plan")
-        for r in rows:
+        for row in rows:
             print(
-                f"{r['plan']:<14}{r['predicted_peak'] / 2**20:>10.2f}{r['measured_peak'] / 2**20:>10.2f}"
-                f"{r['predicted_peak'] / max(r['measured_peak'], 1):>8.3f}"
-                f"{r['predicted_step'] * 1e3:>10.1f}{r['measured_step'] * 1e3:>10.1f}"
-                f"{r['step_ratio']:>8.3f}  {r['summary']}"
+                f"{row['plan']:<14}{row['predicted_peak'] / 2**20:>10.2f}{row['measured_peak'] / 2**20:>10.2f}"
+                f"{row['predicted_peak'] / max(row['measured_peak'], 1):>8.3f}"
+                f"{row['predicted_step'] * 1e3:>10.1f}{row['measured_step'] * 1e3:>10.1f}"
+                f"{row['step_ratio']:>8.3f}  {row['summary']}"
             )
         if args.out:
             args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))

@@ -150,7 +150,9 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         "step_s": float(step),
         "samples_per_s": args.batch * WORLD / float(step),
         "peak_bytes": int(peak),
-        "plan": trainer.strategy.plan.summary() if isinstance(trainer.strategy, OSDPStrategy) else "",
+        "plan": trainer.strategy.plan.summary()
+        if isinstance(trainer.strategy, OSDPStrategy) and trainer.strategy.plan is not None
+        else "",
     }
 
 

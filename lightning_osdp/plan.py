@@ -23,7 +23,17 @@ from typing import Any, Literal
 
 from torch import nn
 
-__all__ = ["MODES", "PLAN_FORMAT", "PLAN_VERSION", "Decision", "Mode", "Plan", "PlanError", "default_units"]
+__all__ = [
+    "MODES",
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "Decision",
+    "DecisionLike",
+    "Mode",
+    "Plan",
+    "PlanError",
+    "default_units",
+]
 
 Mode = Literal["no_shard", "shard_grad_op", "full_shard"]
 
@@ -69,7 +79,12 @@ class Decision:
         return {"mode": self.mode, "split": self.split}
 
 
-@dataclass
+#: What :class:`Plan` accepts for one module: a :class:`Decision`, a mode string, a ``(mode, split)`` tuple or a
+#: ``{"mode": ..., "split": ...}`` mapping.
+DecisionLike = Decision | str | tuple[str, int] | Mapping[str, Any]
+
+
+@dataclass(init=False)
 class Plan:
     """Per-module sharding decisions, plus free-form ``info`` on where the plan came from.
 
@@ -83,13 +98,14 @@ class Plan:
     decisions: dict[str, Decision]
     info: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
+    def __init__(self, decisions: Mapping[str, DecisionLike], info: dict[str, Any] | None = None) -> None:
         converted: dict[str, Decision] = {}
-        for name, value in dict(self.decisions).items():
+        for name, value in dict(decisions).items():
             if not isinstance(name, str):
                 raise PlanError(f"module names must be strings, got {name!r}")
             converted[name] = _as_decision(name, value)
         self.decisions = converted
+        self.info = {} if info is None else info
 
     # ------------------------------------------------------------------ construction
     @classmethod
