@@ -160,14 +160,14 @@ def main() -> None:
         ("median rounds", "vs_best", "vs_full_shard"),
     ):
         ratios = [row[best_key] for row in rows if row[best_key] is not None]
-        worst = f"{min(ratios):.2f}" if ratios else "no baseline fits"
+        worst = f"{min(ratios):.3f}" if ratios else "no baseline fits"
         fits = all(row["peak_bytes"] <= row["budget"] for row in rows)
         print(
             f"targets ({label}): every peak under its budget: {'met' if fits else 'NOT met'}; "
             f">= 0.97x the best fitting baseline at every budget: "
             f"{'met' if ratios and min(ratios) >= 0.97 else 'NOT met'} (lowest {worst}); "
             f">= 1.3x FULL_SHARD at the halfway budget ({format_bytes(middle['budget'])}): "
-            f"{'met' if middle[full_key] >= 1.3 else 'NOT met'} ({middle[full_key]:.2f})"
+            f"{'met' if middle[full_key] >= 1.3 else 'NOT met'} ({middle[full_key]:.3f})"
         )
     if args.out:
         args.out.write_text(

@@ -436,8 +436,7 @@ class PlanningProblem:
             if rounded is None or lower is None:
                 raise
             # Branch and bound ran out of time without a better plan: the rounded one fits, and the LP (or the count
-            # relaxation) bounds how far
-            # from the optimum it can be.
+            # relaxation) bounds how far from the optimum it can be.
             value = score(rounded)[1]
             bound = max((value - lower) / max(abs(value), 1e-12), 0.0)
             return rounded, SolveResult(
