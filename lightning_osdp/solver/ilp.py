@@ -40,8 +40,9 @@ Each run of identical segments, less its first and last (the instants around the
 with an integer count variable per option (``count = sum of the class's binaries``; redundant in the ILP). The
 *count relaxation* makes the class's binaries continuous and keeps the counts integer: a relaxation of the ILP, so
 its optimum is a lower bound, branched on a few dozen integers instead of thousands, and tight where the rows see
-the class only through its sums. If rounding is not within the gap of it, the counts it found are placed (the ILP
-with the counts fixed), which on the models measured gave the optimum at once. CBC's preprocessing and primal
+the class only through its sums. Its solution came out whole in every instance measured, and is then a plan of the
+ILP (an optimal one when the bound is its value); otherwise, if rounding is not within the gap of the bound, the
+counts it found are placed (the ILP with the counts fixed). CBC's preprocessing and primal
 heuristics are turned off for both (``_LIGHT``): on these few integers they cost more than the search.
 """
 
