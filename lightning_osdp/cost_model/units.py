@@ -10,7 +10,8 @@ size of parameter ``p`` and ``row(p)`` the elements per row.
 * Gathering (``foreach_all_gather``) allocates one flat output of ``ws * sum(padded shard)`` elements, copies
   the shards in, all-gathers, then copies out into one unsharded tensor per parameter (the same total). In
   forward the flat buffer is kept until the *next* unit copies out (``AllGatherState``); in backward it is
-  freed right after the copy-out.
+  freed right after the copy-out. On one rank there is no flat buffer: the unsharded parameters are filled from
+  the shards directly (``FSDPParamGroup`` special-cases ``world_size == 1``).
 * The reduction (``foreach_reduce``) allocates a reduce-scatter input of ``ws * sum(padded shard)`` of the
   trainable parameters, copies the unsharded gradients in (and drops them), then allocates the output
   (``sum(padded shard)``): the output *is* the sharded gradient the optimizer reads, one storage per unit. The
@@ -104,7 +105,7 @@ class UnitBytes:
         mode: the unit's mode.
         params: parameter bytes kept between steps (padded shards, or full replicas).
         gathered: unsharded parameters while the unit is gathered (0 for ``no_shard``).
-        flat: the all-gather output buffer (0 for ``no_shard``).
+        flat: the all-gather output buffer (0 for ``no_shard``, and on one rank).
         grad: the sharded gradient (reduction output) the optimizer reads, kept into the next step (0 for
             ``no_shard``: its gradients live in ``bucket``).
         grad_full: unsharded gradients autograd produces before the reduction (or the copy into the bucket).
@@ -168,7 +169,7 @@ def unit_bytes(
         mode=mode,
         params=sum(p.local_bytes(world_size, sharded) for p in params),
         gathered=gathered,
-        flat=gathered,
+        flat=gathered if world_size > 1 else 0,
         grad=local_trainable if sharded else 0,
         grad_full=full_trainable,
         reduce_input=sum(p.gathered_bytes(world_size, sharded) for p in trainable),
