@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,11 +59,14 @@ def torchrun(
 
 
 @pytest.fixture(scope="session")
-def world1() -> object:
-    """A real one-rank gloo process group and 1-D device mesh in this process (FSDP2 needs a group)."""
+def world1() -> Iterator[object]:
+    """A real one-rank gloo process group and 1-D device mesh in this process (FSDP2 needs a group), destroyed at the
+    end of the session (a gloo group alive at interpreter exit can abort the process)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    if dist.is_initialized():
+        dist.destroy_process_group()
