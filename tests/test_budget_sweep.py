@@ -25,6 +25,3 @@ def test_measured_peak_stays_under_every_budget(tmp_path: Path) -> None:
     assert "full_shard" in modes[0]  # the smallest budget: sharded as far as it goes
     # Tighter budgets trade speed for memory: the measured peaks follow the budgets.
     assert results[0]["peak"] < results[-1]["peak"]
-    # The strategy destroys the process groups at exit (gloo can abort the process otherwise), including the group
-    # this script created itself before `fit`.
-    assert [(tmp_path / f"groups_alive_at_exit.{rank}").read_text() for rank in (0, 1)] == ["False", "False"]

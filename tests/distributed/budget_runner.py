@@ -6,8 +6,6 @@ measured peak of every rank is saved. Usage: ``budget_runner.py OUT_DIR``.
 
 from __future__ import annotations
 
-import atexit
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,15 +44,8 @@ def fit(strategy: OSDPStrategy) -> dict[str, Any]:
     return {"peak": int(peak), "plan": strategy.plan.to_dict(), "losses": model.losses}
 
 
-def record_groups_at_exit(path: Path) -> None:
-    """Registered before any ``fit``, so it runs after the handlers ``fit`` registers (atexit is last in, first
-    out): it writes whether a process group is still alive when the interpreter exits."""
-    atexit.register(lambda: path.write_text(str(dist.is_initialized())))
-
-
 def main() -> None:
     out = Path(sys.argv[1])
-    record_groups_at_exit(out / f"groups_alive_at_exit.{os.environ['RANK']}")
     model = TinyGPT(width=48, hidden=192, layers=4)
     batch = next(iter(loaders(batch_size=8)[0]))
     dist.init_process_group("gloo")
