@@ -216,6 +216,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path.cwd() / "examples" / "gpt"))
+sys.path.insert(0, str(Path.cwd() / "tests"))
+from clean_exit import finish
 from gpt import GPTModule
 
 from lightning_osdp import OSDPStrategy, Plan
@@ -252,6 +254,7 @@ for name, plan in plans.items():
     rows[name] = {"predicted": predict(prof, plan, 2).peak_bytes, "measured": int(peak)}
 if dist.get_rank() == 0:
     Path(os.environ["OUT"]).write_text(json.dumps(rows))
+finish()
 """
 
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clean_exit import finish
+
 from lightning_osdp import OSDPStrategy, Plan, minimum_budget, predict, profile
 
 from models import TinyGPT, loaders
@@ -64,3 +66,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -22,6 +22,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clean_exit import finish
+
 from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp import checkpoint as ckpt
 
@@ -316,3 +318,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clean_exit import finish
+
 from lightning_osdp.comm import reduce_scatter_comm
 from lightning_osdp.profiling import benchmark_collectives, profile
 
@@ -57,3 +59,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

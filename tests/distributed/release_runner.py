@@ -20,6 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clean_exit import finish
+
 from lightning_osdp import Plan, apply_plan
 from lightning_osdp.apply import executor
 from lightning_osdp.memory import LiveStorageTracker
@@ -56,3 +58,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -19,6 +19,8 @@ from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clean_exit import finish
+
 import lightning_osdp
 from lightning_osdp import OSDPStrategy, Plan
 
@@ -142,3 +144,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()
