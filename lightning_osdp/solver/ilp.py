@@ -348,8 +348,10 @@ class PlanningProblem:
             top = max(ev(e) for _, e in be.checkpoints)
             return top, (top if budget is None else ev(be.objective))
 
-        def fits(chosen: dict[Hashable, Hashable]) -> bool:
-            return rhs is None or score(chosen)[0] <= rhs
+        def improves(candidate: dict[Hashable, Hashable], incumbent: float) -> float | None:
+            """``candidate``'s value when it fits and beats ``incumbent``, else ``None``."""
+            top, candidate_value = score(candidate)
+            return candidate_value if (rhs is None or top <= rhs) and candidate_value < incumbent else None
 
         def loss(value: float, lower: float) -> float:
             return max((value - lower) / max(abs(value), 1e-12), 0.0)
@@ -392,9 +394,8 @@ class PlanningProblem:
                         if o == rounded[key]:
                             break
                         trial = {**rounded, key: o}
-                        t_top, t_value = score(trial)
-                        if (rhs is None or t_top <= rhs) and t_value < value:
-                            rounded, value = trial, t_value
+                        if (v := improves(trial, value)) is not None:
+                            rounded, value = trial, v
                             break
                 if loss(value, lower) <= gap:
                     return done(rounded, value, lower)
@@ -406,19 +407,19 @@ class PlanningProblem:
                     bound, found, whole = counted
                     if bound > lower:
                         lower, proof = bound, "count relaxation"
-                    if whole is not None and fits(whole) and score(whole)[1] < value:
-                        rounded, value = whole, score(whole)[1]
+                    if whole is not None and (v := improves(whole, value)) is not None:
+                        rounded, value = whole, v
                     if rounded is None or loss(value, lower) > gap:
                         placed = self._with_counts(prob, be, xs, counts, found, gap, time_limit / 4)
-                        if placed is not None and fits(placed) and score(placed)[1] < value:
-                            rounded, value = placed, score(placed)[1]
+                        if placed is not None and (v := improves(placed, value)) is not None:
+                            rounded, value = placed, v
                     if rounded is not None and loss(value, lower) <= gap:
                         return done(rounded, value, lower)
             if rounded is not None and len(be.options) > _NEIGHBOURHOOD:
                 # Rounding lost more than the gap: re-optimise a few choices around it, the rest fixed.
                 better = self._neighbourhood(prob, be, xs, rounded, fractional, gap, time_limit / 4)
-                if better is not None and fits(better) and score(better)[1] < value:
-                    rounded, value = better, score(better)[1]
+                if better is not None and (v := improves(better, value)) is not None:
+                    rounded, value = better, v
                 if loss(value, lower) <= gap:
                     return done(rounded, value, lower)
         # 2. Branch and bound. With a rounded plan that fits, CBC only looks for plans better than it by more than the
@@ -439,7 +440,7 @@ class PlanningProblem:
             # Branch and bound ran out of time without a better plan: the rounded one fits, and the LP (or the count
             # relaxation) bounds how far from the optimum it can be.
             value = score(rounded)[1]
-            bound = max((value - lower) / max(abs(value), 1e-12), 0.0)
+            bound = loss(value, lower)
             return rounded, SolveResult(
                 f"time limit (within gap {bound:.2g})", bound, time.perf_counter() - started, value, proof
             )
