@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_osdp.grouping import ROOT, covering_decision
+
 __all__ = [
     "MODES",
     "PLAN_FORMAT",
@@ -47,8 +49,6 @@ MODES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard")
 PLAN_FORMAT = "lightning_osdp.plan"
 #: ``version`` field of a plan file this release writes and reads.
 PLAN_VERSION = 1
-
-ROOT = ""
 
 
 class PlanError(ValueError):
@@ -124,13 +124,7 @@ class Plan:
 
     def unit_of(self, name: str) -> str:
         """The decided module whose decision covers module ``name`` (its nearest decided ancestor or itself)."""
-        probe = name
-        while True:
-            if probe in self.decisions:
-                return probe
-            if probe == ROOT:
-                return ROOT
-            probe = probe.rpartition(".")[0]
+        return covering_decision(self.decisions, name)
 
     def __iter__(self) -> Iterator[tuple[str, Decision]]:
         return iter(sorted(self.decisions.items()))

@@ -27,16 +27,13 @@ exactly as Lightning's DDP strategy does (gradients as bucket views: no second c
   DDP the rest; neither touches the other's parameters;
 * a plan with no trainable ``no_shard`` parameter is the FSDP2 root alone (:class:`OSDPModule`).
 
-[Note: tied parameters]
-A parameter shared by two modules (embedding and LM head) must live in one FSDP2 group. When the owners fall in
-different units, those units are applied as one list group ``fully_shard([a, b])`` and must agree on the mode;
-a tie between a unit and its own ancestor's leftovers cannot be grouped and is reported as a plan error.
+Which modules form one FSDP2 group (tied parameters, split slices) is decided in ``lightning_osdp/grouping.py``,
+for the executor and the cost model alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.comm import ReleasingAllGather, reduce_scatter_comm, releases_all_gather_after_forward
-from lightning_osdp.plan import ROOT, Plan, PlanError
+from lightning_osdp.grouping import ROOT, CommunicationUnit, communication_units, tied_holders
+from lightning_osdp.plan import Plan
 
 __all__ = [
     "OSDPModule",
@@ -107,83 +105,22 @@ class ReplicatedModule(DistributedDataParallel):
         return self.module if isinstance(self.module, OSDPModule) else None
 
 
-@dataclass(frozen=True)
-class Unit:
-    """One FSDP2 group as the executor applies it: the modules (names in the model), their mode and depth."""
-
-    names: tuple[str, ...]
-    mode: str
-
-    @property
-    def depth(self) -> int:
-        return min(_depth(n) for n in self.names)
+#: The executor's name for a communication unit (see ``lightning_osdp/grouping.py``).
+Unit = CommunicationUnit
 
 
-def plan_units(module: nn.Module, plan: Plan) -> list[Unit]:
-    """Validate ``plan`` against ``module`` and return its FSDP2 groups, deepest first (the order to apply).
+def plan_units(module: nn.Module, plan: Plan) -> list[CommunicationUnit]:
+    """Validate ``plan`` against ``module`` and return its sharded and replicated communication units but the root's,
+    deepest first (the order to apply them).
 
-    Splits are expanded (a ``split=k`` decision on ``fc`` yields units ``fc.slices.0`` ... ``fc.slices.{k-1}``)
-    and units whose modules share a parameter are merged into one list group. Raises :class:`PlanError` for
-    unknown names, illegal splits and inconsistent tied parameters. The root ``""`` is not among the units.
+    The units are :func:`~lightning_osdp.grouping.communication_units` of the plan and the model's tied
+    parameters: splits expanded (a ``split=k`` decision on ``fc`` yields units ``fc.slices.0`` ...
+    ``fc.slices.{k-1}``), decisions on holders of a tied parameter merged into one list group. Raises
+    :class:`PlanError` for unknown names, illegal splits and inconsistent tied parameters.
     """
     plan.validate(module)
-    owners = _shared_parameter_owners(module)
-
-    # Tied parameters: owners must fall in units that can be grouped.
-    parent = {name: name for name in plan.decisions}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for param_name, mods in owners.items():
-        units = sorted({plan.unit_of(m) for m in mods})
-        for name in mods:
-            if plan.decisions.get(name) is not None and plan.decisions[name].split > 1:
-                raise PlanError(
-                    f"module {name!r}: cannot split a module whose parameter {param_name!r} is shared with "
-                    f"{', '.join(repr(m) for m in mods if m != name)}"
-                )
-        if len(units) < 2:
-            continue
-        for a in units:
-            for b in units:
-                if a != b and (a == ROOT or b.startswith(a + ".")):
-                    owner_a = [m for m in mods if plan.unit_of(m) == a]
-                    owner_b = [m for m in mods if plan.unit_of(m) == b]
-                    raise PlanError(
-                        f"tied parameter {param_name!r} is used by {owner_b[0]!r} (unit {b!r}) and by "
-                        f"{owner_a[0]!r} (unit {a!r}, an ancestor of {b!r}); a shared parameter must sit in one "
-                        f"unit: give {owner_a[0]!r} its own decision, or remove the decision on {b!r}"
-                    )
-        modes = {plan.decisions[u].mode for u in units}
-        if len(modes) > 1:
-            detail = ", ".join(f"{u!r}={plan.decisions[u].mode}" for u in units)
-            raise PlanError(
-                f"tied parameter {param_name!r} is shared by units with different modes ({detail}); "
-                "units that share a parameter are one FSDP group and must take the same mode"
-            )
-        for u in units[1:]:
-            parent[find(u)] = find(units[0])
-
-    groups: dict[str, list[str]] = {}
-    for name in plan.decisions:
-        if name != ROOT:
-            groups.setdefault(find(name), []).append(name)
-
-    result: list[Unit] = []
-    for members in groups.values():
-        decision = plan.decisions[members[0]]
-        if decision.split > 1:
-            (name,) = members
-            k = decision.split
-            names: tuple[str, ...] = tuple(f"{name}.slices.{i}" for i in range(k))
-            result.extend(Unit((n,), decision.mode) for n in names)
-        else:
-            result.append(Unit(tuple(sorted(members)), decision.mode))
-    return _bottom_up(result)
+    units = communication_units(plan.decisions, tied_holders(module))
+    return _bottom_up([u for u in units if u.names != (ROOT,)])
 
 
 def apply_plan(
@@ -256,27 +193,10 @@ def apply_plan(
     return root
 
 
-def _shared_parameter_owners(module: nn.Module) -> dict[str, list[str]]:
-    """Parameters registered on more than one module: first name -> the modules that hold it directly."""
-    by_id: dict[int, list[str]] = {}
-    first_name: dict[int, str] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for p_name, p in mod.named_parameters(recurse=False):
-            by_id.setdefault(id(p), [])
-            if mod_name not in by_id[id(p)]:
-                by_id[id(p)].append(mod_name)
-            first_name.setdefault(id(p), f"{mod_name}.{p_name}" if mod_name else p_name)
-    return {first_name[i]: mods for i, mods in by_id.items() if len(mods) > 1}
-
-
-def _depth(name: str) -> int:
-    return 0 if name == ROOT else name.count(".") + 1
-
-
-def _bottom_up(units: Sequence[Unit]) -> list[Unit]:
+def _bottom_up(units: Sequence[CommunicationUnit]) -> list[CommunicationUnit]:
     """Order units so that every unit comes after all units nested inside any of its modules."""
     remaining = list(units)
-    ordered: list[Unit] = []
+    ordered: list[CommunicationUnit] = []
     while remaining:
         ready = [
             u

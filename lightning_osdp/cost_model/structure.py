@@ -34,6 +34,7 @@ from lightning_osdp.cost_model.units import (
     split_params,
     unit_bytes,
 )
+from lightning_osdp.grouping import ROOT, communication_units, covering_decision, slice_name
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 
@@ -51,8 +52,6 @@ __all__ = [
     "global_unit",
     "layout",
 ]
-
-ROOT = ""
 
 
 class ModelInfo:
@@ -281,12 +280,7 @@ def build_segment(
     if entry not in decisions:
         raise ValueError(f"segment {entry!r} needs a decision on its entry module")
     members = info.subtree(entry)
-    cover: dict[str, str] = {}
-    for name in members:
-        probe = name
-        while probe not in decisions:
-            probe = probe.rpartition(".")[0]
-        cover[name] = probe
+    cover = {name: covering_decision(decisions, name) for name in members}
     units: list[LocalUnit] = []
     index: dict[str, int] = {}
     slice_index: dict[str, list[int]] = {}
@@ -309,7 +303,7 @@ def build_segment(
                 compute = (mp.fwd_seconds + mp.bwd_seconds) * share
                 u = _make_unit(
                     info,
-                    (f"{dname}.slices.{i}",),
+                    (slice_name(dname, i),),
                     dname,
                     d.mode,
                     sp,
@@ -343,7 +337,7 @@ def build_segment(
                 share = 1.0 / k
                 node.children.append(
                     Node(
-                        f"{name}.slices.{i}",
+                        slice_name(name, i),
                         u,
                         0,
                         mp.output_bytes // k,
@@ -390,25 +384,14 @@ def _free_node(info: ModelInfo, name: str) -> Node:
 
 
 def list_groups(info: ModelInfo, decisions: Mapping[str, Decision]) -> list[list[str]]:
-    """Decided modules the executor merges into one FSDP2 group because they hold a tied parameter."""
-
-    def unit_of(name: str) -> str:
-        probe = name
-        while probe not in decisions and probe != ROOT:
-            probe = probe.rpartition(".")[0]
-        return probe
-
-    groups: list[list[str]] = []
-    for holders in info.tied:
-        units = sorted({unit_of(h) for h in holders if h in info.modules})
-        if len(units) < 2:
-            continue
-        merged = set(units)
-        for g in [g for g in groups if merged & set(g)]:
-            merged |= set(g)
-            groups.remove(g)
-        groups.append(sorted(merged, key=lambda n: info.pos.get(n, 0)))
-    return groups
+    """Decided modules the executor merges into one FSDP2 group because they hold a tied parameter (see
+    ``lightning_osdp/grouping.py``), each in forward order."""
+    ties = [[h for h in group if h in info.modules] for group in info.tied]
+    return [
+        sorted(unit.names, key=lambda n: info.pos.get(n, 0))
+        for unit in communication_units(decisions, ties)
+        if unit.is_list_group
+    ]
 
 
 @dataclass
@@ -434,14 +417,11 @@ class Layout:
 
 def layout(info: ModelInfo, decisions: Mapping[str, Decision]) -> Layout:
     """The layout of ``decisions`` (which must include the root ``""``)."""
-    groups = [g for g in list_groups(info, decisions) if ROOT not in g]
+    groups = list_groups(info, decisions)
     grouped = {n for g in groups for n in g}
 
     def covering(name: str) -> str:
-        probe = name
-        while probe not in decisions:
-            probe = probe.rpartition(".")[0]
-        return probe
+        return covering_decision(decisions, name)
 
     def nearest_decided_ancestor(name: str) -> str:
         return covering(name.rpartition(".")[0]) if "." in name else ROOT
@@ -487,10 +467,8 @@ def build_structure(info: ModelInfo, plan: Plan) -> Structure:
     lay = layout(info, decisions)
     globals_ = [global_unit(info, ROOT, (ROOT,), lay.root_cover, decisions[ROOT].mode)]
     for g in lay.groups:
-        modes = {decisions[m].mode for m in g}
-        if len(modes) > 1:
-            raise ValueError(f"tied units {g} must take one mode, got {sorted(modes)}")
-        globals_.append(global_unit(info, g[0], tuple(g), lay.group_cover[g[0]], modes.pop()))
+        # communication_units refused tied decisions of different modes
+        globals_.append(global_unit(info, g[0], tuple(g), lay.group_cover[g[0]], decisions[g[0]].mode))
     items: list[Segment | FreeRun] = []
     for item in lay.items:
         if isinstance(item, str):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from lightning_osdp.grouping import tied_holders
+
 __all__ = ["OwnTensors", "account_parameters", "grad_bytes_by_module", "owner_of_parameters"]
 
 
@@ -42,18 +44,14 @@ def owner_of_parameters(module: nn.Module) -> dict[int, str]:
 def account_parameters(module: nn.Module) -> tuple[dict[str, OwnTensors], list[list[str]]]:
     """Per module (every module in ``named_modules()``) its own tensors, and the groups of tied holders."""
     own: dict[str, OwnTensors] = {}
-    holders: dict[int, list[str]] = {}
+    seen: set[int] = set()
     seen_buffers: set[int] = set()
     for name, mod in module.named_modules():
         figures = own[name] = OwnTensors()
         for p in mod._parameters.values():
-            if p is None:
+            if p is None or id(p) in seen:
                 continue
-            names = holders.setdefault(id(p), [])
-            if name not in names:
-                names.append(name)
-            if len(names) > 1:
-                continue
+            seen.add(id(p))
             figures.param_count += p.numel()
             figures.param_bytes += _nbytes(p)
             figures.param_shapes.append(list(p.shape))
@@ -63,8 +61,7 @@ def account_parameters(module: nn.Module) -> tuple[dict[str, OwnTensors], list[l
             if b is not None and id(b) not in seen_buffers:
                 seen_buffers.add(id(b))
                 figures.buffer_bytes += _nbytes(b)
-    tied = [names for names in holders.values() if len(names) > 1]
-    return own, tied
+    return own, [list(tie.holders) for tie in tied_holders(module)]
 
 
 def grad_bytes_by_module(module: nn.Module) -> dict[str, int]:

@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from lightning_osdp.cost_model.structure import ROOT, ModelInfo
+from lightning_osdp.cost_model.structure import ModelInfo
+from lightning_osdp.grouping import ROOT, merged_ties
 from lightning_osdp.plan import MODES, Decision
 
 __all__ = ["Candidates", "SegmentCandidate", "SegmentOption", "planning_units", "segment_options"]
@@ -94,7 +95,9 @@ def planning_units(
         # Tied holders named together are one list group; a holder named alone stays with the root.
         listed = set(names)
         groups = tuple(
-            tuple(sorted(g, key=lambda n: info.pos[n])) for g in info.tied if len(g) > 1 and all(h in listed for h in g)
+            tuple(sorted(g, key=lambda n: info.pos[n]))
+            for g in merged_ties(info.tied)
+            if len(g) > 1 and all(h in listed for h in g)
         )
         names = [n for n in names if n not in holders]
         tops = [n for n in names if not any(n != t and info.is_descendant(n, t) for t in names)]
@@ -157,7 +160,7 @@ def planning_units(
 
 def _tie_groups(info: ModelInfo, tops: Sequence[str], threshold: float) -> tuple[tuple[str, ...], ...]:
     groups = []
-    for group in info.tied:
+    for group in merged_ties(info.tied):
         members = [h for h in group if h in info.modules]
         if len(members) < 2 or any(any(info.is_descendant(h, t) for t in tops) for h in members):
             continue
