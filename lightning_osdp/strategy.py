@@ -7,7 +7,6 @@ checkpoints).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -47,9 +46,11 @@ from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
 from lightning_osdp.apply.clip import use_mixed_clipping
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
+from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import StepMonitor
 
 if TYPE_CHECKING:
@@ -90,10 +91,8 @@ class OSDPStrategy(ParallelStrategy):
             ``osdp_plan.json`` in the logger's directory.
         solver_time_limit: seconds the ILP solver may take; the plan records whether it is proven optimal.
         memory_headroom: the fraction of the budget the planner keeps free: it plans against
-            ``memory_budget * (1 - memory_headroom)``. The cost model counts what the modules and the loss save
-            for backward, not short-lived temporaries around the loss (metrics computed on the logits, say): its
-            peak ran 1-4% under the measured one on the examples; the headroom keeps the measured peak under the
-            budget.
+            ``memory_budget * (1 - memory_headroom)``, exactly as ``osdp plan --memory`` does (both call
+            :func:`~lightning_osdp.solver.plan_model`; see ``lightning_osdp/solver/policy.py`` [Note: headroom]).
         state_dict_type: ``"sharded"`` (default): checkpoints are directories that every rank writes its shards
             into, in parallel (torch.distributed.checkpoint); ``"full"``: one consolidated file written by rank 0.
             Either loads under any plan and world size (see ``docs/checkpointing.md``).
@@ -120,7 +119,7 @@ class OSDPStrategy(ParallelStrategy):
         max_split: int = 8,
         plan_out: str | os.PathLike[str] | None = None,
         solver_time_limit: float = 10.0,
-        memory_headroom: float = 0.05,
+        memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -344,7 +343,7 @@ class OSDPStrategy(ParallelStrategy):
     def _profile_and_solve(self, trainer: pl.Trainer) -> Plan:
         from lightning_osdp.cost_model import predict
         from lightning_osdp.profiling import profile as profile_model
-        from lightning_osdp.solver import InfeasibleBudgetError, format_plan, solve
+        from lightning_osdp.solver import format_plan
 
         assert self.lightning_module is not None and self._memory_budget is not None
         batch, source, step = self._representative_batch(trainer)
@@ -360,34 +359,7 @@ class OSDPStrategy(ParallelStrategy):
             available_memory=device_memory_capacity(self.root_device, self.num_processes),
         )
         self._profile = profile
-        outcome: tuple[Plan | None, BaseException | None] = (None, None)
-        if self.is_global_zero:
-            try:
-                solved = solve(
-                    profile,
-                    int(self._memory_budget * (1 - self._memory_headroom)),
-                    self.world_size,
-                    modes=self._modes,
-                    max_split=self._max_split,
-                    time_limit=self._solver_time_limit,
-                )
-                outcome = (solved, None)
-            except InfeasibleBudgetError as err:
-                needed = math.ceil(err.minimum / (1 - self._memory_headroom))
-                message = (
-                    f"{err} With the planner's {self._memory_headroom:.0%} headroom, the smallest memory_budget to "
-                    f"pass is {format_bytes(needed)} ({needed} bytes)."
-                )
-                outcome = (
-                    None,
-                    InfeasibleBudgetError(message, budget=err.budget, minimum=needed, consumers=err.consumers),
-                )
-            except Exception as err:  # every rank must raise it, not wait for a plan that never comes
-                outcome = (None, _transportable(err))
-        plan, error = self.broadcast(outcome)
-        if error is not None:
-            raise error
-        assert plan is not None
+        plan = from_rank_zero(lambda: self.plan_for(profile), what="planning")
         # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
         out = (
             Path(self._plan_out)
@@ -400,6 +372,26 @@ class OSDPStrategy(ParallelStrategy):
             profile.save(out.with_name(out.stem + ".profile.json"))
             rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
         return plan
+
+    def plan_for(self, profile: ModelProfile, world_size: int | None = None) -> Plan:
+        """The plan this strategy chooses for ``profile`` under its memory budget and planner options, on
+        ``world_size`` ranks (default: this run's): :func:`~lightning_osdp.solver.plan_model`, what ``setup`` runs on
+        rank 0 after profiling and what ``osdp plan`` runs with the same options."""
+        from lightning_osdp.solver import plan_model
+
+        if self._memory_budget is None:
+            raise ValueError(
+                "plan_for needs a memory budget: give OSDPStrategy(memory_budget=...), or call it after setup"
+            )
+        return plan_model(
+            profile,
+            self._memory_budget,
+            world_size or self.world_size,
+            headroom=self._memory_headroom,
+            modes=self._modes,
+            max_split=self._max_split,
+            time_limit=self._solver_time_limit,
+        )
 
     def _representative_batch(self, trainer: pl.Trainer) -> tuple[Any, str, str]:
         """The batch profiling runs: the first batch of the fit's train dataloader, else ``example_input_array``
@@ -674,14 +666,3 @@ def _fit_ckpt_path() -> str | None:
             return str(path) if path else None
         frame = frame.f_back  # type: ignore[assignment]
     return None
-
-
-def _transportable(error: Exception) -> Exception:
-    """``error`` itself if it survives pickling (it is broadcast to every rank), else a RuntimeError with its text."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -47,7 +47,7 @@ class RunConfig:
         batch_size: the data section's ``batch_size`` (per device, as Lightning's data loaders take it).
         precision: ``trainer.precision``.
         world_size: ``trainer.devices`` times ``trainer.num_nodes``, when both are numbers.
-        memory_budget, modes, max_split: the OSDP strategy's init args.
+        memory_budget, memory_headroom, modes, max_split: the OSDP strategy's init args.
         sources: the config files read.
     """
 
@@ -57,6 +57,7 @@ class RunConfig:
     precision: str | None = None
     world_size: int | None = None
     memory_budget: int | str | None = None
+    memory_headroom: float | None = None
     modes: list[str] | None = None
     max_split: int | None = None
     sources: list[str] = field(default_factory=list)
@@ -143,6 +144,9 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
     strategy_class, strategy_args = _section(trainer.get("strategy"))
     if strategy_class is not None and (strategy_class == "osdp" or strategy_class.endswith("OSDPStrategy")):
         config.memory_budget = strategy_args.get("memory_budget")
+        headroom = strategy_args.get("memory_headroom")
+        if isinstance(headroom, (int, float)) and not isinstance(headroom, bool):
+            config.memory_headroom = float(headroom)
         if strategy_args.get("modes") is not None:
             config.modes = list(strategy_args["modes"])
         if isinstance(strategy_args.get("max_split"), int):

@@ -41,7 +41,8 @@ from lightning_osdp.cli.output import Output
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling import ModelProfile
-from lightning_osdp.solver import InfeasibleBudgetError, format_plan, minimum_budget, solve
+from lightning_osdp.solver import InfeasibleBudgetError, format_plan
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
 
 __all__ = ["BASELINES", "DryRun", "StrategyFigures", "add_parser", "run"]
 
@@ -141,6 +142,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     planner.add_argument("--max-split", type=int, metavar="K", help="largest operator-splitting factor (default 8)")
     planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
+    planner.add_argument(
+        "--headroom",
+        type=float,
+        metavar="F",
+        help="fraction of the budget the planner keeps free, as OSDPStrategy(memory_headroom=...) does "
+        f"(default: the config's, else {DEFAULT_MEMORY_HEADROOM})",
+    )
     parser.add_argument("--out", metavar="PLAN.json", help="save the OSDP plan here (its profile beside it)")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     return parser
@@ -158,6 +166,7 @@ class DryRun:
     world_size: int
     budget: int
     budget_source: str
+    headroom: float
     batch_size: int
     batch: BatchSource
     precision: str
@@ -166,6 +175,11 @@ class DryRun:
     modes: tuple[str, ...]
     max_split: int
     time_limit: float
+
+    @property
+    def planned_budget(self) -> int:
+        """The budget every row is judged against: ``budget`` less the planner's headroom (as the strategy plans)."""
+        return planned_budget(self.budget, self.headroom)
 
 
 @dataclass
@@ -284,6 +298,11 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     max_split = args.max_split if args.max_split is not None else (config.max_split or 8)
     if max_split < 1:
         raise CLIError(f"--max-split must be at least 1, got {max_split}")
+    headroom = args.headroom if args.headroom is not None else config.memory_headroom
+    if headroom is None:
+        headroom = DEFAULT_MEMORY_HEADROOM
+    if not 0.0 <= headroom < 0.5:
+        raise CLIError(f"--headroom must be in [0, 0.5), got {headroom}")
     return DryRun(
         model=model,
         model_name=type(model).__name__,
@@ -293,6 +312,7 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         world_size=world_size,
         budget=budget,
         budget_source=budget_source,
+        headroom=headroom,
         batch_size=batch_size,
         batch=source,
         precision=precision,
@@ -325,17 +345,28 @@ def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
 
 
 def _solve(run: DryRun, profile: ModelProfile) -> Plan:
-    return solve(
-        profile, run.budget, run.world_size, modes=run.modes, max_split=run.max_split, time_limit=run.time_limit
+    return plan_model(
+        profile,
+        run.budget,
+        run.world_size,
+        headroom=run.headroom,
+        modes=run.modes,
+        max_split=run.max_split,
+        time_limit=run.time_limit,
     )
 
 
 def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]:
     def fits(batch_size: int) -> bool:
-        minimum = minimum_budget(
-            scaled.at(batch_size), run.world_size, modes=run.modes, max_split=run.max_split, time_limit=run.time_limit
+        smallest = smallest_memory_budget(
+            scaled.at(batch_size),
+            run.world_size,
+            headroom=run.headroom,
+            modes=run.modes,
+            max_split=run.max_split,
+            time_limit=run.time_limit,
         )
-        return minimum <= run.budget
+        return smallest <= run.budget
 
     return fits
 
@@ -382,7 +413,7 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
 
 
 def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[[int], bool]:
-    return lambda b: predict(scaled.at(b), plan, run.world_size).peak_bytes <= run.budget
+    return lambda b: predict(scaled.at(b), plan, run.world_size).peak_bytes <= run.planned_budget
 
 
 def _rate(batch_size: int, world_size: int, seconds: float | None) -> str:
@@ -393,7 +424,7 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
     table = []
     for row in rows:
         p = row.prediction
-        fits = p.peak_bytes <= run.budget
+        fits = p.peak_bytes <= run.planned_budget
         modes = (
             row.plan.summary().partition(": ")[2].rstrip(")")
             if row.name == "OSDP"
@@ -433,7 +464,10 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
         f"({format_bytes(param_bytes)}), optimizer {profile.optimizer or 'none'} ({run.optimizer_note})"
     )
     out.print(f"on {run.figures.description}")
-    out.print(f"budget {format_bytes(run.budget)} per device ({run.budget_source}); precision {run.precision}")
+    out.print(
+        f"budget {format_bytes(run.budget)} per device ({run.budget_source}), planned against "
+        f"{format_bytes(run.planned_budget)} ({run.headroom:.0%} headroom); precision {run.precision}"
+    )
     out.print(f"batch {run.batch_size} per device: {batch}, {run.batch.description}")
     out.print("")
     osdp = rows[0]
@@ -454,7 +488,8 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
     notes = [
         f"samples/s: over all {run.world_size} ranks."
         + (
-            " max batch: the largest per-device batch whose predicted peak fits the budget (OSDP re-planned at "
+            " fits, max batch: whether the predicted peak fits the budget less the planner's headroom, and the largest "
+            "per-device batch whose predicted peak does (OSDP re-planned at "
             f"each size); all figures are affine in the batch size, profiled at {scaled.low_batch} and "
             f"{scaled.high_batch} and interpolated."
             if searched

@@ -77,12 +77,15 @@ def load(path: str | Path) -> SavedPlanFile:
         beside = path.with_name(path.stem + ".profile.json")
         profile = _read_profile(ModelProfile.load, beside) if beside.is_file() else None
         world_size = int(plan.info.get("world_size") or (profile.world_size if profile else 0))
-        return SavedPlanFile(plan, profile, world_size, plan.info.get("budget_bytes"), str(path))
+        budget = plan.info.get("memory_budget_bytes", plan.info.get("budget_bytes"))
+        return SavedPlanFile(plan, profile, world_size, budget, str(path))
     saved = saved_plan(path)
     if saved is None:
         raise CLIError(f"{str(path)!r} holds no OSDP plan (a checkpoint saved by another strategy?)")
     profile = _read_profile(ModelProfile.from_dict, saved.profile) if saved.profile else None
-    budget = saved.memory_budget if saved.memory_budget is not None else saved.plan.info.get("budget_bytes")
+    budget = saved.memory_budget
+    if budget is None:
+        budget = saved.plan.info.get("memory_budget_bytes", saved.plan.info.get("budget_bytes"))
     return SavedPlanFile(saved.plan, profile, saved.world_size, budget, saved.source)
 
 

@@ -25,7 +25,7 @@ def format_plan(
     Args:
         plan: the plan (its ``info`` supplies the solver's status and budget when present).
         prediction: :func:`~lightning_osdp.cost_model.predict` of the plan.
-        budget: per-device budget in bytes (default: ``plan.info["budget_bytes"]``).
+        budget: per-device budget in bytes (default: the budget the plan was made for, ``plan.info``).
         rich_markup: render with rich's box drawing; ``None``: when stdout is a terminal (plain text when piped
             or logged).
         width: table width for rich.
@@ -34,7 +34,8 @@ def format_plan(
     (parameters, gradients, optimizer state), the bytes while gathered, its communication and what it adds to
     the step (exposed communication, copies, optimizer, overhead), in milliseconds.
     """
-    budget = budget if budget is not None else plan.info.get("budget_bytes")
+    if budget is None:  # the budget the user gave (plan_model), else the one the ILP was given (solve)
+        budget = plan.info.get("memory_budget_bytes", plan.info.get("budget_bytes"))
     use_rich = sys.stdout.isatty() if rich_markup is None else rich_markup
     headers = ["module", "params", "mode", "split", "kept", "gathered", "comm ms", "added ms"]
     rows = []

@@ -1,0 +1,126 @@
+"""The planning policy: how a user's memory budget becomes the budget the ILP plans against.
+
+The strategy and ``osdp plan`` both call :func:`plan_model`, so that one budget gives one plan wherever it is
+planned: a plan made with the CLI and passed back with ``OSDPStrategy(plan=...)`` was planned with the same
+headroom as the one the strategy would have chosen itself.
+
+[Note: headroom]
+The cost model predicts what the profile measured; the headroom is the fraction of the budget the planner keeps
+free for what a run allocates beyond that (allocator rounding and fragmentation on CUDA, short-lived temporaries
+the profile did not see). The ILP plans against ``memory_budget * (1 - headroom)``; an infeasible budget is
+reported in the user's terms, as the smallest ``memory_budget`` that passes with this headroom.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from lightning_osdp.budget import format_bytes, parse_memory_budget
+from lightning_osdp.cost_model.config import CostModelConfig
+from lightning_osdp.plan import MODES, Plan
+from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solver.ilp import InfeasibleBudgetError, minimum_budget, solve
+
+__all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
+
+#: The fraction of the memory budget the planner keeps free by default (see [Note: headroom]).
+DEFAULT_MEMORY_HEADROOM = 0.05
+
+
+def _check_headroom(headroom: float) -> float:
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 0.5:
+        raise ValueError(f"memory_headroom must be a number in [0, 0.5), got {headroom!r}")
+    return float(headroom)
+
+
+def planned_budget(memory_budget: int | str, headroom: float = DEFAULT_MEMORY_HEADROOM) -> int:
+    """The budget the ILP plans against: ``memory_budget * (1 - headroom)`` bytes (see [Note: headroom])."""
+    return int(parse_memory_budget(memory_budget) * (1 - _check_headroom(headroom)))
+
+
+def plan_model(
+    profile: ModelProfile,
+    memory_budget: int | str,
+    world_size: int | None = None,
+    *,
+    headroom: float = DEFAULT_MEMORY_HEADROOM,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    time_limit: float = 10.0,
+    gap: float = 1e-3,
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+) -> Plan:
+    """The fastest plan whose predicted peak fits ``memory_budget`` less the planner's ``headroom``.
+
+    What ``Trainer(strategy=OSDPStrategy(memory_budget=...))`` and ``osdp plan --memory ...`` both run.
+
+    Args:
+        profile: the model's profile.
+        memory_budget: per-device bytes, or a string such as ``"6GiB"``.
+        world_size: ranks (default: the profile's).
+        headroom: the fraction of ``memory_budget`` kept free (see [Note: headroom]).
+        modes, max_split, time_limit, gap, units, config: as for :func:`~lightning_osdp.solver.solve`.
+
+    Returns:
+        the plan; ``plan.info`` also records ``memory_budget_bytes`` (the budget given) and ``memory_headroom``.
+
+    Raises:
+        InfeasibleBudgetError: no plan fits; ``minimum`` is the smallest ``memory_budget`` that passes with this
+            headroom, and the message says so.
+    """
+    budget = parse_memory_budget(memory_budget)
+    headroom = _check_headroom(headroom)
+    try:
+        plan = solve(
+            profile,
+            planned_budget(budget, headroom),
+            world_size,
+            modes=modes,
+            max_split=max_split,
+            time_limit=time_limit,
+            gap=gap,
+            units=units,
+            config=config,
+        )
+    except InfeasibleBudgetError as err:
+        needed = _with_headroom(err.minimum, headroom)
+        message = str(err)
+        if headroom > 0:
+            message += (
+                f" (The planner plans against {format_bytes(err.budget)}: the memory_budget of {format_bytes(budget)} "
+                f"less its {headroom:.0%} headroom; the smallest memory_budget to pass is {format_bytes(needed)}, "
+                f"{needed} bytes.)"
+            )
+        raise InfeasibleBudgetError(message, budget=budget, minimum=needed, consumers=err.consumers) from None
+    plan.info["memory_budget_bytes"] = budget
+    plan.info["memory_headroom"] = headroom
+    return plan
+
+
+def smallest_memory_budget(
+    profile: ModelProfile,
+    world_size: int | None = None,
+    *,
+    headroom: float = DEFAULT_MEMORY_HEADROOM,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    time_limit: float = 10.0,
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+) -> int:
+    """The smallest ``memory_budget`` (bytes) :func:`plan_model` accepts: the smallest peak any plan reaches,
+    grown by the headroom."""
+    minimum = minimum_budget(
+        profile, world_size, modes=modes, max_split=max_split, time_limit=time_limit, units=units, config=config
+    )
+    return _with_headroom(minimum, _check_headroom(headroom))
+
+
+def _with_headroom(planned: int, headroom: float) -> int:
+    """The smallest budget whose planned share (:func:`planned_budget`) is at least ``planned``."""
+    needed = math.ceil(planned / (1 - headroom))
+    while int(needed * (1 - headroom)) < planned:
+        needed += 1
+    return needed

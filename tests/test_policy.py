@@ -1,0 +1,81 @@
+"""One budget gives one plan wherever it is planned: the strategy and ``osdp plan`` share the planning policy."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from lightning_osdp import OSDPStrategy, Plan, predict
+from lightning_osdp.cli.output import Output
+from lightning_osdp.cli.plan import _solve, add_parser, resolve
+from lightning_osdp.cost_model.synthetic import gpt_profile
+from lightning_osdp.solver import (
+    InfeasibleBudgetError,
+    minimum_budget,
+    plan_model,
+    planned_budget,
+    smallest_memory_budget,
+    solve,
+)
+
+from conftest import ROOT
+
+GPT_CONFIG = ROOT / "examples" / "gpt" / "configs" / "osdp_budget.yaml"
+
+
+def _dry_run_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["plan", "--config", str(GPT_CONFIG), "--hardware", "l4-pcie", *argv])
+
+
+@pytest.fixture(scope="module")
+def profile_and_budget() -> tuple[object, int]:
+    prof = gpt_profile(depth=4, width=128, tokens=256, world_size=2)
+    blocks = {f"model.blocks.{i}": "no_shard" for i in range(4)}
+    ddp = predict(prof, Plan({"": "no_shard", **blocks}), 2).peak_bytes
+    low = minimum_budget(prof, 2)
+    return prof, (low + ddp) // 2
+
+
+def test_the_cli_and_the_strategy_choose_the_same_plan_for_one_profile_and_budget(
+    profile_and_budget: tuple[object, int],
+) -> None:
+    prof, budget = profile_and_budget
+    strategy = OSDPStrategy(memory_budget=budget, memory_headroom=0.1, max_split=2)
+    run = resolve(
+        _dry_run_args("--memory", str(budget), "--headroom", "0.1", "--max-split", "2", "--world-size", "2"),
+        Output(quiet=True),
+    )
+    chosen = strategy.plan_for(prof, 2)  # type: ignore[arg-type]
+    assert _solve(run, prof).decisions == chosen.decisions  # type: ignore[arg-type]
+    # The headroom is part of the policy: at the full budget the solver keeps more replicated.
+    assert solve(prof, budget, 2, max_split=2).decisions != chosen.decisions  # type: ignore[arg-type]
+    assert chosen.info["predicted_peak_bytes"] <= planned_budget(budget, 0.1) < budget
+    assert chosen.info["memory_budget_bytes"] == budget and chosen.info["memory_headroom"] == 0.1
+
+
+def test_the_cli_reads_the_headroom_of_the_strategy_in_a_config(tmp_path: Path) -> None:
+    config = tmp_path / "osdp.yaml"
+    budget = "      memory_budget: 80MiB"
+    config.write_text(GPT_CONFIG.read_text().replace(budget, budget + "\n      memory_headroom: 0.2"))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    model = str(ROOT / "examples" / "gpt" / "gpt.py") + ":GPTModule"
+    argv = ["plan", "--config", str(config), "--model", model, "--hardware", "l4-pcie"]
+    run = resolve(parser.parse_args(argv), Output(quiet=True))
+    assert run.headroom == 0.2 and run.planned_budget == int(80 * 2**20 * 0.8)
+
+
+def test_an_infeasible_budget_names_the_smallest_memory_budget_that_passes_with_the_headroom(
+    profile_and_budget: tuple[object, int],
+) -> None:
+    prof, _ = profile_and_budget
+    smallest = smallest_memory_budget(prof, 2, headroom=0.1)  # type: ignore[arg-type]
+    assert planned_budget(smallest, 0.1) >= minimum_budget(prof, 2) > planned_budget(smallest - 1, 0.1)  # type: ignore[arg-type]
+    with pytest.raises(InfeasibleBudgetError, match="the smallest memory_budget to pass is") as caught:
+        plan_model(prof, smallest - 1, 2, headroom=0.1)  # type: ignore[arg-type]
+    assert caught.value.minimum == smallest
+    plan_model(prof, smallest, 2, headroom=0.1)  # type: ignore[arg-type]
