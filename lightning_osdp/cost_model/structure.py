@@ -279,81 +279,90 @@ def build_segment(
     decided). Modules in ``excluded`` keep their parameters in a global unit (tied list groups)."""
     if entry not in decisions:
         raise ValueError(f"segment {entry!r} needs a decision on its entry module")
-    members = info.subtree(entry)
-    cover = {name: covering_decision(decisions, name) for name in members}
-    units: list[LocalUnit] = []
-    index: dict[str, int] = {}
-    slice_index: dict[str, list[int]] = {}
-    for dname in [n for n in members if n in decisions and n not in excluded]:
-        d = decisions[dname]
-        covered = [n for n in members if cover[n] == dname and n not in excluded]
+    builder = _SegmentBuilder(info, entry, decisions, excluded)
+    return Segment(entry, dict(decisions), builder.node(entry), builder.units)
+
+
+class _SegmentBuilder:
+    """The units of one segment under its decisions, then its module tree with each module's unit and figures."""
+
+    def __init__(
+        self, info: ModelInfo, entry: str, decisions: Mapping[str, Decision], excluded: frozenset[str]
+    ) -> None:
+        self.info = info
+        self.excluded = excluded
+        self.members = info.subtree(entry)
+        self.cover = {name: covering_decision(decisions, name) for name in self.members}
+        self.units: list[LocalUnit] = []
+        #: decided module -> index of its unit in ``units``
+        self.index: dict[str, int] = {}
+        #: split module -> indices of its slices' units
+        self.slice_index: dict[str, list[int]] = {}
+        for dname in [n for n in self.members if n in decisions and n not in excluded]:
+            if decisions[dname].split > 1:
+                self._add_slices(dname, decisions[dname])
+            else:
+                self._add_unit(dname, decisions[dname])
+
+    def _deferred(self, dname: str) -> bool:
+        return self.info.pos[dname] <= self.info.first_trainable_pos
+
+    def _add_unit(self, dname: str, d: Decision) -> None:
+        info = self.info
+        covered = [n for n in self.members if self.cover[n] == dname and n not in self.excluded]
         params = [p for n in covered for p in info.params[n]]
-        deferred = info.pos[dname] <= info.first_trainable_pos
-        if d.split > 1:
-            mp = info.modules[dname]
-            if info.splittable(dname) < d.split:
-                raise ValueError(f"module {dname!r} cannot be split {d.split} ways")
-            parts = split_params(info.params[dname], d.split)
-            total = max(sum(p.nbytes for p in info.params[dname]), 1)
-            tensor, scalar = info.optim_tensor[dname], info.optim_scalar[dname]
-            per_tensor = scalar / max(len(info.params[dname]), 1)
-            slice_index[dname] = []
-            for i, sp in enumerate(parts):
-                share = sum(p.nbytes for p in sp) / total
-                compute = (mp.fwd_seconds + mp.bwd_seconds) * share
-                u = _make_unit(
-                    info,
-                    (slice_name(dname, i),),
-                    dname,
-                    d.mode,
-                    sp,
-                    (tensor * share, per_tensor * len(sp)),
-                    compute,
-                    split=d.split,
-                    deferred=deferred,
-                )
-                # Each extra slice is one more matmul call and its hooks; torch.cat copies the output once.
-                extra = info.config.split_overhead_seconds + mp.output_bytes * share / info.config.copy_bytes_per_second
-                u.time = u.time + UnitTime(overhead=extra)
-                slice_index[dname].append(len(units))
-                units.append(u)
-            continue
         if not params:
-            continue  # FSDP2 creates no parameter group: no hooks that gather, reduce or free anything
+            return  # FSDP2 creates no parameter group: no hooks that gather, reduce or free anything
         compute = sum(info.modules[n].fwd_seconds + info.modules[n].bwd_seconds for n in covered)
-        index[dname] = len(units)
-        units.append(
-            _make_unit(info, (dname,), dname, d.mode, params, _optim_bytes(info, covered), compute, deferred=deferred)
+        self.index[dname] = len(self.units)
+        optim = _optim_bytes(info, covered)
+        self.units.append(
+            _make_unit(info, (dname,), dname, d.mode, params, optim, compute, deferred=self._deferred(dname))
         )
 
-    def make(name: str) -> Node:
+    def _add_slices(self, dname: str, d: Decision) -> None:
+        info = self.info
+        mp = info.modules[dname]
+        if info.splittable(dname) < d.split:
+            raise ValueError(f"module {dname!r} cannot be split {d.split} ways")
+        own = info.params[dname]
+        total = max(sum(p.nbytes for p in own), 1)
+        tensor, scalar = info.optim_tensor[dname], info.optim_scalar[dname]
+        per_tensor = scalar / max(len(own), 1)
+        self.slice_index[dname] = []
+        for i, sp in enumerate(split_params(own, d.split)):
+            share = sum(p.nbytes for p in sp) / total
+            compute = (mp.fwd_seconds + mp.bwd_seconds) * share
+            optim = (tensor * share, per_tensor * len(sp))
+            u = _make_unit(
+                info,
+                (slice_name(dname, i),),
+                dname,
+                d.mode,
+                sp,
+                optim,
+                compute,
+                split=d.split,
+                deferred=self._deferred(dname),
+            )
+            # Each extra slice is one more matmul call and its hooks; torch.cat copies the output once.
+            extra = info.config.split_overhead_seconds + mp.output_bytes * share / info.config.copy_bytes_per_second
+            u.time = u.time + UnitTime(overhead=extra)
+            self.slice_index[dname].append(len(self.units))
+            self.units.append(u)
+
+    def node(self, name: str) -> Node:
+        """Module ``name`` and its subtree: activations, output and input bytes, the gradient bytes its own
+        parameters produce, the unit it opens (if decided) and the unit owning its parameters."""
+        info = self.info
         mp = info.modules[name]
-        owner_name = cover[name]
-        own = info.params[name]
-        if name in slice_index:
-            k = len(slice_index[name])
-            node = Node(name, None, mp.activation_bytes, mp.output_bytes, 0, 0, None, 0.0, 0.0)
-            for i, (u, sp) in enumerate(zip(slice_index[name], split_params(own, k), strict=True)):
-                share = 1.0 / k
-                node.children.append(
-                    Node(
-                        slice_name(name, i),
-                        u,
-                        0,
-                        mp.output_bytes // k,
-                        info.input_bytes.get(name, 0),
-                        sum(p.nbytes for p in sp if p.trainable),
-                        u,
-                        mp.fwd_seconds * share,
-                        mp.bwd_seconds * share,
-                    )
-                )
-            return node
-        owner = None if name in excluded else index.get(owner_name)
-        grad = sum(p.nbytes for p in own if p.trainable) if owner is not None else 0
+        if name in self.slice_index:
+            return self._split_node(name)
+        owner = None if name in self.excluded else self.index.get(self.cover[name])
+        grad = sum(p.nbytes for p in info.params[name] if p.trainable) if owner is not None else 0
         node = Node(
             name,
-            index.get(name) if name not in excluded else None,
+            self.index.get(name) if name not in self.excluded else None,
             mp.activation_bytes,
             mp.output_bytes,
             info.input_bytes.get(name, 0),
@@ -362,10 +371,30 @@ def build_segment(
             mp.fwd_seconds,
             mp.bwd_seconds,
         )
-        node.children = [make(c) for c in info.children[name]]
+        node.children = [self.node(c) for c in info.children[name]]
         return node
 
-    return Segment(entry, dict(decisions), make(entry), units)
+    def _split_node(self, name: str) -> Node:
+        """A split Linear: a parent holding the activations, with one child per slice (its unit and its share)."""
+        info = self.info
+        mp = info.modules[name]
+        k = len(self.slice_index[name])
+        node = Node(name, None, mp.activation_bytes, mp.output_bytes, 0, 0, None, 0.0, 0.0)
+        for i, (u, sp) in enumerate(zip(self.slice_index[name], split_params(info.params[name], k), strict=True)):
+            node.children.append(
+                Node(
+                    slice_name(name, i),
+                    u,
+                    0,
+                    mp.output_bytes // k,
+                    info.input_bytes.get(name, 0),
+                    sum(p.nbytes for p in sp if p.trainable),
+                    u,
+                    mp.fwd_seconds * (1.0 / k),
+                    mp.bwd_seconds * (1.0 / k),
+                )
+            )
+        return node
 
 
 def _free_node(info: ModelInfo, name: str) -> Node:
