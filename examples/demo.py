@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpt"))
 
 import lightning_osdp
 from lightning_osdp import OSDPStrategy
-from lightning_osdp.budget import format_bytes
 
 from gpt import GPTModule
 from stdlib_text import StdlibTextDataModule
@@ -62,29 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_global_zero:
         samples = args.batch_size * trainer.world_size
         tokens = samples * args.context
-        info = osdp.plan.info
         print("\n=== lightning_osdp demo ===")
-        print(f"plan in force : {osdp.plan.summary()} on {trainer.world_size} CPU processes")
-        print(f"budget        : {format_bytes(osdp.memory_budget or 0)} per device")
-        peak = osdp.peak_memory_bytes or 0
-        print(f"peak memory   : {format_bytes(peak)} measured on rank 0", end="")
-        if "predicted_peak_bytes" in info:
-            print(f" (predicted {format_bytes(info['predicted_peak_bytes'])})")
-        else:
-            print()
-        print(f"step time     : {osdp.step_time * 1e3:.1f} ms (median)", end="")
-        if "predicted_step_seconds" in info:
-            print(f" (predicted {info['predicted_step_seconds'] * 1e3:.1f} ms)")
-        else:
-            print()
+        print(f"run        : {osdp.summary()}")
         print(
-            f"throughput    : {1 / osdp.step_time:.2f} steps/s, {samples / osdp.step_time:.1f} samples/s, "
-            f"{tokens / osdp.step_time:,.0f} tokens/s"
-        )
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        print(
-            f"final metrics : train_loss {metrics.get('train_loss', float('nan')):.3f}, "
-            f"val_ppl {metrics.get('val_ppl', float('nan')):.2f}"
+            f"throughput : {1 / osdp.step_time:.2f} steps/s, {samples / osdp.step_time:.1f} samples/s, "
+            f"{tokens / osdp.step_time:,.0f} tokens/s on {trainer.world_size} CPU processes"
         )
 
 

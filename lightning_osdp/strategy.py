@@ -7,6 +7,7 @@ checkpoints).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -202,6 +203,44 @@ class OSDPStrategy(ParallelStrategy):
     def step_time(self) -> float | None:
         """This rank's median measured step time in seconds (first step excluded)."""
         return self._monitor.step_time() if self._monitor else None
+
+    def summary(self) -> str:
+        """One line for the end of a run: the step reached and the last logged metrics, the plan in force, and this
+        rank's measured step time and peak memory beside the plan's prediction (when the plan was solved here or
+        resumed with its profile). The examples and the demo print it."""
+        parts = []
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None:
+            metrics = []
+            for name, value in sorted(trainer.callback_metrics.items()):
+                if (isinstance(value, Tensor) and value.numel() == 1) or isinstance(value, (int, float)):
+                    number = float(value)
+                else:
+                    continue
+                if math.isfinite(number):
+                    metrics.append(f"{name}={number:.4f}")
+            parts.append(f"step {trainer.global_step}: " + (" ".join(metrics) or "no metrics logged"))
+        if self._plan is None:
+            parts.append("no plan yet")
+            return " | ".join(parts)
+        budget = f", budget {format_bytes(self._memory_budget)} per device" if self._memory_budget else ""
+        parts.append(f"{self._plan.summary()} on {self.world_size} ranks{budget}")
+        predicted = None
+        if self._profile is not None:
+            from lightning_osdp.cost_model import predict
+
+            predicted = predict(self._profile, self._plan, self.world_size)
+        measured = []
+        if self.step_time is not None:
+            guess = f" (predicted {predicted.step_seconds * 1e3:.1f} ms)" if predicted else ""
+            measured.append(f"step {self.step_time * 1e3:.1f} ms{guess}")
+        if self.peak_memory_bytes is not None:
+            guess = f" (predicted {format_bytes(predicted.peak_bytes)})" if predicted else ""
+            measured.append(f"peak memory {format_bytes(self.peak_memory_bytes)}{guess}")
+        if measured:
+            parts.append(f"rank {self.global_rank} measured: " + ", ".join(measured))
+        return " | ".join(parts)
 
     @property
     def device_mesh(self) -> DeviceMesh:

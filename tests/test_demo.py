@@ -26,12 +26,13 @@ def test_demo_prints_the_plan_and_its_throughput(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = proc.stdout
     assert "OSDP plan: Plan(" in out and "predicted peak" in out  # the solver's table, printed at setup
-    plan_line = re.search(r"plan in force : Plan\((\d+) units", out)
+    plan_line = re.search(r"run        : step 8: .*train_loss=[\d.]+.* \| Plan\((\d+) units.* on 2 ranks", out)
     assert plan_line and int(plan_line.group(1)) >= 1
-    throughput = re.search(r"throughput    : ([\d.]+) steps/s, ([\d.]+) samples/s", out)
+    throughput = re.search(r"throughput : ([\d.]+) steps/s, ([\d.]+) samples/s", out)
     assert throughput and float(throughput.group(1)) > 0
     # 2 processes x 16 samples per step
     assert float(throughput.group(2)) == pytest.approx(32 * float(throughput.group(1)), rel=1e-2)
-    peak = re.search(r"peak memory   : ([\d.]+) MiB", out)
+    measured = r"rank 0 measured: step [\d.]+ ms \(predicted [\d.]+ ms\), peak memory ([\d.]+) MiB \(predicted"
+    peak = re.search(measured, out)
     assert peak and 0 < float(peak.group(1)) <= 48  # the plan held the budget
     assert list(tmp_path.rglob("osdp_plan.json")), "the chosen plan is saved beside the logs"
