@@ -43,10 +43,10 @@ from lightning_osdp._compat import (
     sync_ddp_if_available,
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
-from lightning_osdp.apply.clip import use_mixed_clipping
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
+from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.step_monitor import StepMonitor
 
@@ -236,6 +236,19 @@ class OSDPStrategy(ParallelStrategy):
 
     @property
     @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else OSDPPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning's plugins are replaced by their OSDP subclasses (clipping over mixed gradients, a sharded grad
+        # scaler), as Lightning's FSDP strategy insists on its own: see `lightning_osdp.precision`.
+        self._precision_plugin = osdp_precision(precision_plugin) if precision_plugin is not None else None
+
+    @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Checkpoints load into the sharded model: after `setup` has applied the plan.
         return True
@@ -313,8 +326,6 @@ class OSDPStrategy(ParallelStrategy):
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        _use_sharded_grad_scaler(self.precision_plugin)
-        use_mixed_clipping(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
@@ -641,18 +652,6 @@ class OSDPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-def _use_sharded_grad_scaler(precision: Precision) -> None:
-    """``16-mixed``: gradients are sharded, so an inf/NaN may sit in one rank's shard only; the scaler must agree
-    across ranks on skipping a step. ``ShardedGradScaler`` all-reduces its ``found_inf``, ``GradScaler`` does not."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        if not isinstance(precision.scaler, ShardedGradScaler):
-            precision.scaler = ShardedGradScaler(device=precision.device)
 
 
 def _distributed_is_initialized() -> bool:

@@ -5,21 +5,20 @@ refuses a list mixing ``torch.Tensor`` and ``DTensor`` ("got mixed torch.Tensor 
 mixed plan has (``no_shard`` parameters stay plain for DDP, sharded ones are DTensors). The total norm is the
 norm of the two partial norms: the DTensor part's norm is reduced over the mesh (``full_tensor``), the plain
 part's is the same on every rank (its gradients are already all-reduced). Each part is then scaled by the same
-coefficient with torch's own ``clip_grads_with_norm_``.
+coefficient with torch's own ``clip_grads_with_norm_``. OSDP's precision plugins (``lightning_osdp.precision``) clip
+with it when Lightning clips by norm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import MethodType
-from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-__all__ = ["clip_grad_norm_", "use_mixed_clipping"]
+__all__ = ["clip_grad_norm_"]
 
 
 def clip_grad_norm_(
@@ -52,13 +51,3 @@ def clip_grad_norm_(
         if group:
             clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
-
-
-def use_mixed_clipping(precision: Any) -> None:
-    """Make a Lightning precision plugin clip by norm with :func:`clip_grad_norm_` (its own method calls
-    ``torch.nn.utils.clip_grad_norm_`` on the optimizer's parameters, which fails on a mixed plan)."""
-
-    def clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
-
-    precision.clip_grad_by_norm = MethodType(clip_grad_by_norm, precision)
