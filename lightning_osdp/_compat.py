@@ -253,8 +253,8 @@ def init_dist_connection(
 
 
 def sync_ddp_if_available(tensor: torch.Tensor, group: Any | None, reduce_op: ReduceOp | str | None) -> torch.Tensor:
-    """All-reduce ``tensor`` with Lightning's semantics of ``reduce_op`` (``"mean"``/``"avg"`` divide by the world
-    size; ``None`` sums), or return it unchanged without a process group.
+    """All-reduce ``tensor`` with Lightning's semantics of ``reduce_op`` (``"mean"``/``"avg"`` divide the sum by the
+    world size; ``"sum"``, ``"max"``... or a ``ReduceOp``), or return it unchanged without a process group.
 
     ``lightning.fabric.utilities.distributed._sync_ddp_if_available`` (2.6): what Lightning's DDP strategy's
     ``reduce`` calls, so that ``self.log(..., sync_dist=True)`` reduces alike under both strategies.

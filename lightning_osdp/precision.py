@@ -3,10 +3,10 @@
 [Note: why OSDP has precision plugins of its own]
 Two things differ from Lightning's plugins under a plan that mixes replicated and sharded parameters:
 
-* clipping by norm: ``Precision.clip_grad_by_norm`` calls ``torch.nn.utils.clip_grad_norm_`` on the optimizer's
+* clipping: ``Precision.clip_grad_by_norm`` calls ``torch.nn.utils.clip_grad_norm_`` on the optimizer's
   parameters, whose single ``foreach`` call refuses a list mixing plain tensors (``no_shard`` parameters, DDP's) and
-  DTensors (sharded ones). OSDP's plugins clip by the global norm over both
-  (:func:`lightning_osdp.apply.clip_grad_norm_`);
+  DTensors (sharded ones); so does ``clip_grad_by_value``'s ``clip_grad_value_``. OSDP's plugins clip by the global
+  norm over both (:func:`lightning_osdp.apply.clip_grad_norm_`), and by value part by part;
 * ``16-mixed``: gradients are sharded, so an inf/NaN may sit in one rank's shard only and the ranks must agree on
   skipping the step: ``ShardedGradScaler`` all-reduces its ``found_inf``, ``GradScaler`` does not. Its unscaling
   (before every step, and before clipping) hits the same refusal of mixed lists: :class:`OSDPGradScaler` unscales
@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_osdp.apply.clip import clip_grad_norm_
+from lightning_osdp.apply.clip import clip_grad_norm_, clip_grad_value_
 
 __all__ = [
     "OSDPDoublePrecision",
@@ -44,7 +44,8 @@ __all__ = [
 
 
 class OSDPPrecision(Precision):
-    """``32-true``, and the base of OSDP's other plugins: clips by the global norm over plain and sharded gradients.
+    """``32-true``, and the base of OSDP's other plugins: clips over plain and sharded gradients (by their global norm,
+    or by value).
 
     Checkpoints keep the plugin's state under the name of the Lightning plugin it extends (``"MixedPrecision"``, for
     the scaler of ``16-mixed``), where Lightning keeps it: a checkpoint of a DDP run resumes under OSDP, and back.
@@ -53,6 +54,10 @@ class OSDPPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_value_(self.main_params(optimizer), clip_val)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -85,7 +85,7 @@ def test_other_plugins_are_refused_with_what_is_accepted() -> None:
     assert OSDPStrategy(precision_plugin=custom).precision_plugin is custom
 
 
-def _fit(strategy: Any, precision: str, clip: float | None) -> dict[str, torch.Tensor]:
+def _fit(strategy: Any, precision: str, clip: float | None, algorithm: str = "norm") -> dict[str, torch.Tensor]:
     L.seed_everything(0, verbose=False)
     model = TinyGPT()
     trainer = L.Trainer(
@@ -94,6 +94,7 @@ def _fit(strategy: Any, precision: str, clip: float | None) -> dict[str, torch.T
         devices=1,
         max_steps=3,
         gradient_clip_val=clip,
+        gradient_clip_algorithm=algorithm,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -115,6 +116,16 @@ def test_clipping_by_norm_on_a_mixed_plan_matches_ddp(precision: str) -> None:
     for key, value in ddp.items():
         torch.testing.assert_close(osdp[key], value, rtol=1e-6, atol=1e-6, msg=key)
     # The clip bound: without it the parameters end elsewhere.
+    assert max((unclipped[k] - ddp[k]).abs().max().item() for k in ddp) > 1e-3
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_clipping_by_value_on_a_mixed_plan_matches_ddp(precision: str) -> None:
+    osdp = _fit(OSDPStrategy(plan=Plan(MIXED_PLAN)), precision, clip=1e-3, algorithm="value")
+    ddp = _fit("ddp", precision, clip=1e-3, algorithm="value")
+    unclipped = _fit("ddp", precision, clip=None)
+    for key, value in ddp.items():
+        torch.testing.assert_close(osdp[key], value, rtol=1e-6, atol=1e-6, msg=key)
     assert max((unclipped[k] - ddp[k]).abs().max().item() for k in ddp) > 1e-3
 
 
