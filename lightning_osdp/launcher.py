@@ -1,10 +1,10 @@
 """The spawn/fork launcher for :class:`~lightning_osdp.OSDPStrategy`.
 
-Lightning's ``_MultiProcessingLauncher`` sends rank 0's ``lightning_module.state_dict()`` back to the main
-process. Under OSDP that state dict holds DTensors, which fail to load there ("Callable map_location not
-supported") and, for sharded units, hold only rank 0's shard. This launcher gathers the full, unsharded CPU
-state dict on every rank (a collective) and sends rank 0's copy, so the main process ends up with the trained
-weights, as it does with DDP.
+Lightning's ``_MultiProcessingLauncher`` (private: see ``lightning_osdp._compat``) sends rank 0's
+``lightning_module.state_dict()`` back to the main process. Under OSDP that state dict holds DTensors, which fail to
+load there ("Callable map_location not supported") and, for sharded units, hold only rank 0's shard. This launcher
+gathers the full, unsharded CPU state dict on every rank (a collective) and sends rank 0's copy, so the main process
+ends up with the trained weights, as it does with DDP.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
+
+from lightning_osdp._compat import MultiProcessingLauncher, WorkerOutput
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -23,9 +24,9 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 
-class _OSDPMultiProcessingLauncher(_MultiProcessingLauncher):
+class _OSDPMultiProcessingLauncher(MultiProcessingLauncher):
     @override
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
         from lightning_osdp.strategy import OSDPStrategy
 
         strategy = self._strategy
@@ -41,4 +42,4 @@ class _OSDPMultiProcessingLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
-        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+        return WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)

@@ -13,7 +13,7 @@ storage on the device, where *live* means
 
 until the storage is garbage collected (a weak reference callback) or resized (FSDP2 frees and re-allocates
 gathered parameters with ``UntypedStorage.resize_``, which the dispatcher does not see, so it is patched while
-tracking, as ``torch.distributed._tools.MemTracker`` does). Not counted: memory held by a communication
+tracking: ``lightning_osdp._compat.storage_resize_hook``). Not counted: memory held by a communication
 backend outside tensors (gloo's staging buffers), by the Python interpreter, or by tensors created outside
 ATen (``numpy`` arrays). The figure is what a CUDA allocator would report as allocated, without its rounding.
 """
@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Iterable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_osdp._compat import TorchDispatchMode, storage_resize_hook, tree_leaves
 
 __all__ = ["LiveStorageTracker", "tensors_of"]
 
@@ -67,7 +68,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        self._orig_resize: Any = None
+        self._resize_hook = ExitStack()
 
     # ---------------------------------------------------------------- public
     def start(self, *roots: Any) -> LiveStorageTracker:
@@ -78,14 +79,14 @@ class LiveStorageTracker(TorchDispatchMode):
         for t in tensors_of(roots):
             self._track(_local(t))
         self.peak = self.live
-        self._patch_resize()
+        self._resize_hook.enter_context(storage_resize_hook(self._on_resize))
         self.__enter__()
         return self
 
     def stop(self) -> int:
         """Stop tracking; return the peak in bytes."""
         self.__exit__(None, None, None)
-        self._restore_resize()
+        self._resize_hook.close()
         return self.peak
 
     # ---------------------------------------------------------------- internals
@@ -130,20 +131,6 @@ class LiveStorageTracker(TorchDispatchMode):
         if self.live > self.peak:
             self.peak = self.live
 
-    def _patch_resize(self) -> None:
-        orig = torch.UntypedStorage.resize_
-        self._orig_resize = orig
-        tracker = self
-
-        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            result = orig(storage, size)
-            if storage.device.type == tracker.device_type:
-                tracker._track_storage(storage)
-            return result
-
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
-
-    def _restore_resize(self) -> None:
-        if self._orig_resize is not None:
-            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
-            self._orig_resize = None
+    def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        if storage.device.type == self.device_type:
+            self._track_storage(storage)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -19,20 +18,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -44,12 +34,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
+from lightning_osdp._compat import (
+    SubprocessScriptLauncher,
+    fit_ckpt_path,
+    fit_train_dataloader,
+    init_dist_connection,
+    optimizers_to_device,
+    sync_ddp_if_available,
+)
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
-from lightning_osdp.apply.clip import use_mixed_clipping
 from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
+from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import StepMonitor
@@ -57,6 +55,7 @@ from lightning_osdp.step_monitor import StepMonitor
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_osdp._compat import StrategyRegistry
     from lightning_osdp.cost_model import PredictionCheck
 
 __all__ = ["OSDPStrategy"]
@@ -275,13 +274,26 @@ class OSDPStrategy(ParallelStrategy):
 
     @property
     @override
+    def precision_plugin(self) -> Precision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else OSDPPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning's plugins are replaced by their OSDP subclasses (clipping over mixed gradients, a sharded grad
+        # scaler), as Lightning's FSDP strategy insists on its own: see `lightning_osdp.precision`.
+        self._precision_plugin = osdp_precision(precision_plugin) if precision_plugin is not None else None
+
+    @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Checkpoints load into the sharded model: after `setup` has applied the plan.
         return True
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Optimal Sharded Data Parallel (per-module DDP/ZeRO plan)"
         )
@@ -290,7 +302,7 @@ class OSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _OSDPMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -299,12 +311,10 @@ class OSDPStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        self._process_group_backend = self._process_group_backend or _default_backend(self.root_device)
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
+        init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
@@ -354,10 +364,8 @@ class OSDPStrategy(ParallelStrategy):
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        _use_sharded_grad_scaler(self.precision_plugin)
-        use_mixed_clipping(self.precision_plugin)
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _resolve_plan(self, trainer: pl.Trainer) -> Plan:
         """The plan given; else the plan of the checkpoint being resumed, if made for this world size and budget;
@@ -373,7 +381,8 @@ class OSDPStrategy(ParallelStrategy):
         return self._profile_and_solve(trainer)
 
     def _resume_choice(self) -> osdp_checkpoint.PlanChoice | None:
-        path = _fit_ckpt_path()
+        assert self.lightning_module is not None
+        path = fit_ckpt_path(self.lightning_module.trainer)
         if path is None or not Path(path).exists():
             return None
         saved = osdp_checkpoint.saved_plan(path)
@@ -438,7 +447,7 @@ class OSDPStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if trainer.state.fn == TrainerFn.FITTING:
-            loader = trainer.fit_loop._data_source.dataloader()
+            loader = fit_train_dataloader(trainer)
             if loader is not None:
                 batch = next(iter(loader))
                 return self.batch_to_device(batch), "first batch of the train dataloader", "training_step"
@@ -569,7 +578,7 @@ class OSDPStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ state
@@ -609,7 +618,7 @@ class OSDPStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         if self._state_dict_type == "sharded":
             return osdp_checkpoint.sharded_optimizer_state(self._module(), optimizer)
         return osdp_checkpoint.full_optimizer_state(self._module(), optimizer)
@@ -659,7 +668,7 @@ class OSDPStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         osdp_checkpoint.load_optimizer_states(self._module(), optimizers, checkpoint)
 
     @override
@@ -676,32 +685,11 @@ class OSDPStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
 
-def _use_sharded_grad_scaler(precision: Precision) -> None:
-    """``16-mixed``: gradients are sharded, so an inf/NaN may sit in one rank's shard only; the scaler must agree
-    across ranks on skipping a step. ``ShardedGradScaler`` all-reduces its ``found_inf``, ``GradScaler`` does not."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        if not isinstance(precision.scaler, ShardedGradScaler):
-            precision.scaler = ShardedGradScaler(device=precision.device)
+def _distributed_is_initialized() -> bool:
+    # `is_initialized` exists only in builds with distributed support.
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _fit_ckpt_path() -> str | None:
-    """The ``ckpt_path`` of the ``Trainer.fit/validate/test`` call now running, or ``None``.
-
-    NOTE: Lightning hands ``ckpt_path`` to ``Trainer._run`` but stores it only after ``strategy.setup``, where the plan
-    must already be chosen; a resumed run that can reuse its checkpoint's plan must see it earlier, so it is read from
-    ``_run``'s frame. If a Lightning release moves it, this finds nothing and the run plans afresh, which is correct,
-    only slower.
-    """
-    import lightning.pytorch as pl
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_run" and isinstance(frame.f_locals.get("self"), pl.Trainer):
-            path = frame.f_locals.get("ckpt_path")
-            return str(path) if path else None
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+def _default_backend(device: torch.device) -> str:
+    # torch's own map of device types to backends (cpu: gloo, cuda: nccl, ...), the one Lightning's strategies read.
+    return torch.distributed.Backend.default_device_backend_map.get(device.type, "gloo")

@@ -1,25 +1,25 @@
-"""Gradient-norm clipping over a plan's mix of replicated (plain tensor) and sharded (DTensor) gradients.
+"""Gradient clipping over a plan's mix of replicated (plain tensor) and sharded (DTensor) gradients.
 
 ``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms of all gradients in one ``foreach`` call, which
 refuses a list mixing ``torch.Tensor`` and ``DTensor`` ("got mixed torch.Tensor and DTensor"): exactly what a
 mixed plan has (``no_shard`` parameters stay plain for DDP, sharded ones are DTensors). The total norm is the
 norm of the two partial norms: the DTensor part's norm is reduced over the mesh (``full_tensor``), the plain
 part's is the same on every rank (its gradients are already all-reduced). Each part is then scaled by the same
-coefficient with torch's own ``clip_grads_with_norm_``.
+coefficient with torch's own ``clip_grads_with_norm_``. Clipping by value (a clamp, element by element) meets the same
+refusal in its ``foreach`` call and is exact per part. OSDP's precision plugins (``lightning_osdp.precision``) clip
+with these functions when Lightning clips.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import MethodType
-from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-__all__ = ["clip_grad_norm_", "use_mixed_clipping"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_"]
 
 
 def clip_grad_norm_(
@@ -54,11 +54,11 @@ def clip_grad_norm_(
     return total
 
 
-def use_mixed_clipping(precision: Any) -> None:
-    """Make a Lightning precision plugin clip by norm with :func:`clip_grad_norm_` (its own method calls
-    ``torch.nn.utils.clip_grad_norm_`` on the optimizer's parameters, which fails on a mixed plan)."""
-
-    def clip_grad_by_norm(self: Any, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
-
-    precision.clip_grad_by_norm = MethodType(clip_grad_by_norm, precision)
+def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float, foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grad_value_`` for parameters that may mix plain tensors and DTensors: each gradient is
+    clamped to ``[-clip_value, clip_value]``, the plain and the sharded ones in separate calls."""
+    params = [p for p in parameters if p.grad is not None]
+    for sharded in (False, True):
+        group = [p for p in params if isinstance(p.grad, DTensor) == sharded]
+        if group:
+            torch.nn.utils.clip_grad_value_(group, clip_value, foreach=foreach)

@@ -43,6 +43,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_osdp._compat import ddp_ignore_parameters
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.comm import ReleasingAllGather, reduce_scatter_comm, releases_all_gather_after_forward
 from lightning_osdp.grouping import ROOT, CommunicationUnit, communication_units, tied_holders
@@ -94,7 +95,7 @@ class ReplicatedModule(DistributedDataParallel):
         device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
         sharded = [n for n, p in module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
         if sharded:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, sharded)
+            ddp_ignore_parameters(module, sharded)
         # Gradients as views into the communication buckets: no second copy of them (the cost model counts one).
         super().__init__(module, device_ids=device_ids, process_group=mesh.get_group(), gradient_as_bucket_view=True)
         self.plan = plan

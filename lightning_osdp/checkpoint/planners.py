@@ -41,8 +41,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from lightning_osdp._compat import dcp_chunk_list
 from lightning_osdp.apply.state_dict import SliceAlias, SliceMap
 from lightning_osdp.checkpoint.errors import CheckpointMismatchError
 
@@ -165,7 +166,7 @@ class SliceLoadPlanner(DefaultLoadPlanner):
             if not isinstance(md, TensorStorageMetadata) or not isinstance(target, torch.Tensor):
                 raise CheckpointMismatchError(f"{canonical}: the checkpoint holds no tensor for this key")
             if target.dim() == 0:
-                chunks = _create_chunk_list(target)
+                chunks = dcp_chunk_list(target)
                 reads = create_read_items_for_chunk_list(canonical, md, chunks)
                 requests.extend(
                     dataclasses.replace(r, dest_index=MetadataIndex(key, r.dest_index.offset, r.dest_index.index))
@@ -179,7 +180,7 @@ class SliceLoadPlanner(DefaultLoadPlanner):
                 )
             local = [
                 ChunkStorageMetadata(offsets=_shift(c.offsets, alias.row_offset), sizes=c.sizes)
-                for c in _create_chunk_list(target)
+                for c in dcp_chunk_list(target)
                 if c.sizes.numel() > 0
             ]
             for read in create_read_items_for_chunk_list(canonical, md, local):

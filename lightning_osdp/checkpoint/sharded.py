@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_osdp._compat import dcp_load_into_empty
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import _dist, layout
 from lightning_osdp.checkpoint.context import CheckpointContext
@@ -241,20 +242,11 @@ def read_sharded_tensors(path: str | Path, keys: Sequence[str] | None = None) ->
     restricted to the top-level ``keys`` when given. For consolidation and inspection: it holds the whole model
     (and optimizer state) in memory at once.
     """
-    # NOTE: private DCP helpers, as in `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`: the public
-    # `dcp.load` only fills keys the given state dict already has, and this one starts empty.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     path = Path(path)
     if not path.exists():
         raise layout.missing_checkpoint_error(path)
     layout.read_manifest(path)
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=FileSystemReader(path),
-        planner=_EmptyStateDictLoadPlanner(keys=set(keys) if keys is not None else None),
-        no_dist=True,
-    )
+    # The public `dcp.load` only fills keys the given state dict already has, and this one starts empty.
+    dcp_load_into_empty(state, FileSystemReader(path), keys)
     return state

@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import SGD, Adam, AdamW, Optimizer
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 
+from lightning_osdp._compat import disable_current_modes, tree_leaves
 from lightning_osdp.profiling.errors import ProfilingError
 from lightning_osdp.profiling.parameters import owner_of_parameters
 
@@ -72,9 +71,7 @@ class OptimizerState:
 
 def _unwrap(optimizer: Any) -> Any:
     # Lightning's LightningOptimizer wraps the real one.
-    return (
-        getattr(optimizer, "_optimizer", optimizer) if type(optimizer).__name__ == "LightningOptimizer" else optimizer
-    )
+    return getattr(optimizer, "optimizer", optimizer) if type(optimizer).__name__ == "LightningOptimizer" else optimizer
 
 
 def optimizers_from_lightning_module(module: nn.Module) -> list[Optimizer]:
@@ -286,7 +283,7 @@ def _proxy_factor(
     cls: type[Optimizer], hyper: dict[str, Any], defaults: dict[str, Any], dtype: torch.dtype
 ) -> tuple[float, int]:
     # Real tensors: the fake mode (and profiling's operator tracing) of the failed step are set aside.
-    with _disable_current_modes():
+    with disable_current_modes():
         return _real_proxy_factor(cls, hyper, defaults, dtype)
 
 

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_osdp._compat import fake_tensor_mode, tree_leaves, tree_map
 from lightning_osdp.budget import device_memory_capacity
 from lightning_osdp.profiling.collectives import DEFAULT_SIZES, benchmark_collectives, zero_cost_collectives
 from lightning_osdp.profiling.errors import ProfilingError
@@ -427,10 +427,7 @@ def profile(
             copy_bytes_per_second = measure_copy_bandwidth(target, min(max(param_bytes, 4 << 20), 64 << 20))
         info["copy_bytes_per_second"] = copy_bytes_per_second
         if estimated:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-            fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+            fake_mode = fake_tensor_mode()
             work = stack.enter_context(fake_replica(module, target, fake_mode))
             with fake_mode:
                 batch = tree_map(

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
+from lightning_osdp._compat import tree_leaves
 from lightning_osdp.profiling.errors import ProfilingError
 
 __all__ = ["StepRunner", "describe_batch", "is_lightning_module"]

@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_osdp._compat import TorchDispatchMode, tree_leaves
 
 __all__ = ["ModuleRecord", "ModuleTracer", "OpTally", "StepRecord", "storage_keys"]
 

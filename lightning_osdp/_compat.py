@@ -1,0 +1,311 @@
+"""Every private torch and Lightning API that lightning_osdp depends on, and the torch versions it was validated on.
+
+[Note: one fence around what upstream may move]
+A private name (a leading underscore, a ``_module``) can change in any release without notice. Each one we use lives
+here, with what it is, why no public API does the job, and the releases its source was read in; the rest of the
+package imports it from here. ``tests/test_compat.py`` checks each by name (it exists, with the parameters we pass)
+and runs it where that is cheap, so an upgrade that moves one fails there, naming it, instead of in a training run
+far from the cause. Besides the names below, OSDP overrides or calls a few private hooks of the classes it extends,
+which cannot move here: Lightning's ``Strategy._configure_launcher``, ``Strategy._launcher``,
+``Strategy._reset_optimizers_and_schedulers`` and ``_MultiProcessingLauncher._collect_rank_zero_results``
+(``strategy.py``, ``launcher.py``), torch's ``ShardedGradScaler._unscale_grads_`` (``precision.py``); and it relies on
+``Strategy._forward_redirection`` routing ``training_step`` through the FSDP2 root's forward. The tests check those
+too.
+
+Sources read: torch 2.9.0, 2.10.0, 2.11.0, 2.12.0 and 2.13.0 ("2.9-2.13" below); Lightning 2.6.0 and 2.6.6 ("2.6").
+The test suite runs on the versions pinned in ``constraints.txt``.
+
+Importing this module imports neither Lightning nor torch's heavier packages (distributed checkpointing, FSDP, the
+symbolic-shape machinery): the profiler imports it, and the planning stages that import the profiler's types must run
+without Lightning.
+Functions import what they wrap when called; Lightning's classes are resolved on first access (the module's
+``__getattr__``, below).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+# Both modules are imported by `import torch` itself: importing them here costs nothing.
+# `TorchDispatchMode` (the base class of an operator-level interceptor) and `_disable_current_modes` (suspend the
+# active modes, to run real tensor code inside a fake or tracing mode) have no public home; torch's own tools
+# (`FlopCounterMode`, `MemTracker`, `FakeTensorMode`) use them from here. Same names and behaviour in 2.9-2.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+
+# torch's pytree (flatten nested containers of tensors); no public `torch.utils.pytree` module up to 2.13.
+from torch.utils._pytree import tree_leaves, tree_map
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import ClusterEnvironment
+    from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
+    from lightning.fabric.utilities.types import ReduceOp
+    from lightning.pytorch.strategies.launchers.multiprocessing import (
+        _MultiProcessingLauncher as MultiProcessingLauncher,
+    )
+    from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as SubprocessScriptLauncher,
+    )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.checkpoint import StorageReader
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+__all__ = [
+    "TORCH_VALIDATED",
+    "MultiProcessingLauncher",
+    "StrategyRegistry",
+    "SubprocessScriptLauncher",
+    "TorchDispatchMode",
+    "WorkerOutput",
+    "dcp_chunk_list",
+    "dcp_load_into_empty",
+    "ddp_ignore_parameters",
+    "disable_current_modes",
+    "fake_tensor_mode",
+    "fit_ckpt_path",
+    "fit_train_dataloader",
+    "init_dist_connection",
+    "optimizers_to_device",
+    "storage_resize_hook",
+    "sync_ddp_if_available",
+    "tree_leaves",
+    "tree_map",
+    "unvalidated_torch",
+]
+
+# ------------------------------------------------------------------------------------------------ torch versions
+# (lowest supported, first not validated), as (major, minor). The floor is hard: FSDP2's `set_custom_all_gather` and
+# `set_custom_reduce_scatter` (comm.py) first exist in torch 2.9.0 (absent from 2.8.0). The ceiling is where
+# validation stops: every name the package imports from torch, and each private one with the parameters we pass, was
+# found in the 2.9.0, 2.10.0, 2.11.0, 2.12.0 and 2.13.0 sources, and the suite runs on 2.13. pyproject.toml declares
+# the floor only: a ceiling there would make pip downgrade torch for users already on a newer release; a newer torch
+# gets the warning below instead.
+TORCH_VALIDATED = ((2, 9), (2, 14))
+
+
+def unvalidated_torch(version: str) -> str | None:
+    """Why torch ``version`` is outside :data:`TORCH_VALIDATED`, or ``None`` when it is inside."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return f"lightning_osdp cannot read the torch version {version!r}; it was validated on torch 2.9 to 2.13"
+    found = (int(match.group(1)), int(match.group(2)))
+    (low_major, low_minor), (high_major, high_minor) = TORCH_VALIDATED
+    if found < TORCH_VALIDATED[0]:
+        return (
+            f"lightning_osdp needs torch >= {low_major}.{low_minor} (FSDP2's custom all-gather and reduce-scatter); "
+            f"found torch {version}: sharded units will fail. Upgrade torch."
+        )
+    if found >= TORCH_VALIDATED[1]:
+        return (
+            f"lightning_osdp was validated on torch {low_major}.{low_minor} to {high_major}.{high_minor - 1}; found "
+            f"torch {version}. The private torch APIs it uses are listed in lightning_osdp/_compat.py; "
+            "`pytest tests/test_compat.py` checks each of them against this torch."
+        )
+    return None
+
+
+def _warn_if_unvalidated_torch() -> None:
+    problem = unvalidated_torch(torch.__version__)
+    if problem is not None:
+        warnings.warn(problem, UserWarning, stacklevel=3)
+
+
+_warn_if_unvalidated_torch()
+
+
+# ------------------------------------------------------------------------------------------------ torch
+def ddp_ignore_parameters(module: torch.nn.Module, names: Sequence[str]) -> None:
+    """Make the ``DistributedDataParallel`` built next around ``module`` leave the parameters ``names`` alone.
+
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (a static method; 2.9-2.13): the replicated
+    part of a mixed plan runs on DDP, whose constructor takes no ignore list, and the sharded (DTensor) parameters
+    must not be bucketed and all-reduced a second time. It is how torch's own composable APIs and FSDP1 exclude
+    parameters from DDP.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
+
+
+def fake_tensor_mode() -> FakeTensorMode:
+    """A fake-tensor mode for the estimated profile: operators run on metadata only (shapes, dtypes), real tensors
+    may enter (the model's parameters are copied in), and shapes stay static.
+
+    ``torch._subclasses.fake_tensor.FakeTensorMode`` and ``torch.fx.experimental.symbolic_shapes.ShapeEnv``
+    (2.9-2.13): fake tensors have no public home, though ``torch.compile`` and ``torch.export`` are built on them.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+
+
+@contextmanager
+def storage_resize_hook(on_resize: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Call ``on_resize(storage)`` after every ``torch.UntypedStorage.resize_`` while the context is open.
+
+    FSDP2 frees and re-allocates the storage of gathered parameters with ``UntypedStorage.resize_``
+    (``free_storage``/``alloc_storage`` in ``_fsdp_param.py``, 2.9-2.13), a storage method that no
+    ``TorchDispatchMode`` sees, so the live-storage tracker patches the method on the class, as
+    ``torch.distributed._tools.MemTracker`` does. The patch is process-wide: contexts nest (each restores what it
+    found), and threads other than the tracked one are seen too.
+    """
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        result = original(storage, size)
+        on_resize(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+
+
+def dcp_chunk_list(tensor: torch.Tensor) -> list[ChunkStorageMetadata]:
+    """The chunks (offsets and sizes in the global tensor) that this rank holds of ``tensor``: one for a plain tensor,
+    the local shards of a DTensor.
+
+    ``torch.distributed.checkpoint.planner_helpers._create_chunk_list`` (2.9-2.13): DCP's default load planner computes
+    its reads from it; OSDP's slice planner computes the same reads with the chunks shifted into the unsplit tensor
+    (see ``checkpoint/planners.py``), so it must agree with DCP on what a rank holds.
+    """
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+
+    chunks: list[ChunkStorageMetadata] = _create_chunk_list(tensor)
+    return chunks
+
+
+def dcp_load_into_empty(state: dict[str, Any], storage_reader: StorageReader, keys: Iterable[str] | None) -> None:
+    """Read every tensor of a DCP checkpoint (restricted to the top-level ``keys`` when given) into the empty dict
+    ``state``, whole and unsharded, without a process group.
+
+    ``torch.distributed.checkpoint.state_dict_loader._load_state_dict`` with
+    ``torch.distributed.checkpoint.default_planner._EmptyStateDictLoadPlanner`` (2.9-2.13): the public ``dcp.load``
+    fills only the keys the given state dict already has; this pair is what torch's own
+    ``format_utils.dcp_to_torch_save`` uses to read a checkpoint it knows nothing about.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    planner = _EmptyStateDictLoadPlanner(keys=set(keys) if keys is not None else None)
+    _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
+
+
+# ------------------------------------------------------------------------------------------------ Lightning
+# Lightning's classes below are imported when first asked for (`from lightning_osdp._compat import X` asks), so that
+# importing this module does not import Lightning. The `TYPE_CHECKING` imports above give type checkers the same names.
+_LIGHTNING_CLASSES: dict[str, tuple[str, str]] = {
+    # The type of `lightning.pytorch.strategies.StrategyRegistry`, which `Strategy.register_strategies` receives: the
+    # hook by which `import lightning_osdp` registers the name "osdp".
+    "StrategyRegistry": ("lightning.fabric.strategies", "_StrategyRegistry"),
+    # Lightning's default launcher for several processes on a node (`popen`): what its DDP strategy uses; a strategy
+    # that is not one of Lightning's own must build it in `_configure_launcher`.
+    "SubprocessScriptLauncher": (
+        "lightning.pytorch.strategies.launchers.subprocess_script",
+        "_SubprocessScriptLauncher",
+    ),
+    # The spawn/fork launcher and the record its workers send back: OSDP's launcher subclasses it to send the full,
+    # unsharded state dict instead of rank 0's DTensor shards (see launcher.py).
+    "MultiProcessingLauncher": ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+    "WorkerOutput": ("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_CLASSES:
+        module, attribute = _LIGHTNING_CLASSES[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def init_dist_connection(
+    cluster_environment: ClusterEnvironment,
+    backend: str,
+    *,
+    timeout: Any,
+    device_id: torch.device | None,
+) -> None:
+    """Set ``MASTER_ADDR``/``MASTER_PORT`` from the cluster environment and initialise the default process group
+    (no-op when one exists).
+
+    ``lightning.fabric.utilities.distributed._init_dist_connection`` (2.6): every Lightning strategy sets up its group
+    with it, and it registers the exit-time destruction of NCCL groups; ``timeout`` and ``device_id`` go to
+    ``torch.distributed.init_process_group``.
+    """
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
+
+
+def sync_ddp_if_available(tensor: torch.Tensor, group: Any | None, reduce_op: ReduceOp | str | None) -> torch.Tensor:
+    """All-reduce ``tensor`` with Lightning's semantics of ``reduce_op`` (``"mean"``/``"avg"`` divide the sum by the
+    world size; ``"sum"``, ``"max"``... or a ``ReduceOp``), or return it unchanged without a process group.
+
+    ``lightning.fabric.utilities.distributed._sync_ddp_if_available`` (2.6): what Lightning's DDP strategy's
+    ``reduce`` calls, so that ``self.log(..., sync_dist=True)`` reduces alike under both strategies.
+    """
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    result: torch.Tensor = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return result
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the optimizers' state tensors to ``device`` (the ``step`` counters stay where they are).
+
+    ``lightning.fabric.utilities.optimizer._optimizers_to_device`` (2.6): what Lightning's strategies call after
+    restoring optimizer state, with its exceptions (``step``) kept.
+    """
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def fit_train_dataloader(trainer: pl.Trainer) -> Any:
+    """The train dataloader of the ``fit`` now running (from ``fit(train_dataloaders=...)``, the datamodule, or the
+    LightningModule's ``train_dataloader`` hook), or ``None``.
+
+    ``trainer.fit_loop._data_source.dataloader()`` (2.6): OSDP profiles the first batch in ``strategy.setup``, but
+    the public ``trainer.train_dataloader`` is set by the fit loop's ``setup_data``, after ``strategy.setup``.
+    """
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def fit_ckpt_path(trainer: pl.Trainer) -> str | None:
+    """The checkpoint that ``trainer``'s running ``fit``/``validate``/``test``/``predict`` restores, or ``None``.
+
+    [Note: the checkpoint path at strategy setup]
+    OSDP chooses its plan in ``strategy.setup``, and a resumed run reuses its checkpoint's plan, so the path is needed
+    there. Lightning resolves ``fit(ckpt_path=...)`` (a path, ``"last"``, ``"best"``, ``"hpc"``, or one set with
+    ``trainer.ckpt_path = ...``) before ``Trainer._run`` and passes it in as ``_run``'s ``ckpt_path``; ``_run`` stores
+    it (the public ``trainer.ckpt_path``) in ``_CheckpointConnector.resume_start``, which it calls after
+    ``strategy.setup`` when the strategy's ``restore_checkpoint_after_setup`` is True, as OSDP's must be (a
+    checkpoint loads into the sharded model). Until then ``trainer.ckpt_path`` holds the previous call's path, and no
+    hook before ``strategy.setup`` receives it (2.6.0-2.6.6). So it is read from the ``_run`` frame of this trainer
+    on the call stack. Should a release move it, this returns ``None`` and the run plans afresh (correct, only
+    slower); ``tests/test_compat.py`` fails by name then, and also when ``trainer.ckpt_path`` starts holding the path
+    at setup, which would be the supported route to switch to. ``OSDPStrategy(plan=...)`` with the plan file saved
+    beside the run remains the explicit way to pin a plan.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+            path = frame.f_locals.get("ckpt_path")
+            return str(path) if path else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
