@@ -200,6 +200,7 @@ def _module_from(path: Path, name: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -433,8 +434,9 @@ def tiny_run(trainer: Any, model: Any) -> dict[str, Any]:
     }
 
 
-def check_parity(ctx: Context) -> Outcome:
-    """OSDP at world size 1 against Lightning's single-device strategy, per precision and plan."""
+def check_parity(ctx: Context, precisions: list[str] | None = None) -> Outcome:
+    """OSDP at world size 1 against Lightning's single-device strategy, per precision (default: every one the
+    device runs) and plan."""
     from lightning_osdp import OSDPStrategy, Plan
 
     out = Outcome()
@@ -443,9 +445,10 @@ def check_parity(ctx: Context) -> Outcome:
     # shapes and so their rounding, which in half precision is more than the strategy's own effect (see docs/gpu.md).
     plans = {"mixed": test_plans()["mixed"], "sharded": test_plans()["full_shard"]}
     split = {"split": test_plans()["tied_split"]}
-    precisions = list(PARITY_RTOL) if ctx.cuda else [p for p in PARITY_RTOL if p != "16-mixed"]
-    if not ctx.cuda:
-        out.notes.append("16-mixed needs CUDA (the grad scaler): not run on the CPU dry run")
+    if precisions is None:
+        precisions = list(PARITY_RTOL) if ctx.cuda else [p for p in PARITY_RTOL if p != "16-mixed"]
+        if not ctx.cuda:
+            out.notes.append("16-mixed needs CUDA (the grad scaler): not run on the CPU dry run")
     out.figures["plans"] = {name: Plan(p).summary() for name, p in {**plans, **split}.items()}
     runs: dict[str, Any] = {}
     for precision in precisions:
@@ -1287,9 +1290,12 @@ def _run_child(name: str, ctx: Context, part: Path, timeout: float) -> str | Non
     return None
 
 
-def run_all(out_dir: Path, device: str, names: list[str], budget: float) -> int:
-    """Every check in ``names``, each in its own process, within ``budget`` seconds; writes
-    ``out_dir/gpu_check.json`` after each one. Returns the exit status (see the module docstring)."""
+def run_all(
+    out_dir: Path, device: str, names: list[str], budget: float, *, min_seconds: float = MIN_CHECK_SECONDS
+) -> int:
+    """Every check in ``names``, each in its own process, within ``budget`` seconds (a check is not started with
+    less than ``min_seconds`` left); writes ``out_dir/gpu_check.json`` after each one. Returns the exit status (see
+    the module docstring)."""
     import torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1320,7 +1326,7 @@ def run_all(out_dir: Path, device: str, names: list[str], budget: float) -> int:
                 f"\n===== {name} ({'dry run on the CPU' if device == 'cpu' else device}, up to {timeout:.0f} s)",
                 flush=True,
             )
-            if timeout < MIN_CHECK_SECONDS:
+            if timeout < min_seconds:
                 report["checks"][name] = {"status": "skipped", "failures": [f"out of time budget ({budget:.0f} s)"]}
             else:
                 scratch = Path(tmp) / name
