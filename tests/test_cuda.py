@@ -61,7 +61,9 @@ def test_parity_check_in_32_true_on_the_cpu(tmp_path: Path) -> None:
     assert runs["32-true/sharded"]["foreach"] is True  # all-sharded: the foreach path works
     # A split Linear changes the matmuls' shapes, so their rounding: within the tolerance, not bit for bit.
     assert runs["32-true/split"]["param_rel"] <= gpu_check.PARITY_RTOL["32-true"]
-    assert all("the default optimizer (foreach=True) fails" in f for f in outcome.failures), outcome.failures
+    assert all("fails with the device's default optimizer (foreach=True)" in f for f in outcome.failures), (
+        outcome.failures
+    )
 
 
 def test_the_runner_bounds_every_check_by_the_budget_and_records_it(tmp_path: Path) -> None:
