@@ -1126,7 +1126,10 @@ def gloo2_worker(ctx: Context) -> None:
         )
     except Exception as error:
         result["failures"].append(f"gloo2/mixed: training failed: {type(error).__name__}: {str(error)[:300]}")
-    result["runs"]["ddp"] = fit("ddp", foreach)
+    try:
+        result["runs"]["ddp"] = fit("ddp", foreach)
+    except Exception as error:
+        result["failures"].append(f"gloo2/ddp: training failed: {type(error).__name__}: {str(error)[:300]}")
     result["failures"] += outcome.failures
     torch.save(result, ctx.scratch / f"gloo2.rank{rank}.pt")
 
@@ -1172,13 +1175,16 @@ def check_gloo2(ctx: Context) -> Outcome:
         for node in range(2)
     ]
     outputs = []
+    deadline = time.monotonic() + CHECKS["gloo2"].timeout - 20
     for agent in agents:
         try:
-            outputs.append(agent.communicate(timeout=300)[0])
+            outputs.append(agent.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
         except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun passes it on to its workers, which run in sessions of their own (a SIGKILL of
+            # the agent would leave them running).
             for a in agents:
-                a.kill()
-            outputs.append("(timed out)")
+                a.terminate()
+            outputs.append(agent.communicate(timeout=30)[0] + "\n(timed out)")
     for node, text in enumerate(outputs):
         print(f"  --- agent {node} (last lines) ---\n" + "\n".join(text.splitlines()[-25:]), flush=True)
     out.figures["returncodes"] = [a.returncode for a in agents]
@@ -1196,7 +1202,7 @@ def check_gloo2(ctx: Context) -> Outcome:
     out.failures += sorted(failures)
     runs = {}
     for rank, result in enumerate(results):
-        if "mixed" not in result["runs"]:
+        if "mixed" not in result["runs"] or "ddp" not in result["runs"]:
             continue
         mixed, ddp = result["runs"]["mixed"], result["runs"]["ddp"]
         gaps = compare_runs(mixed, ddp) if rank == 0 else compare_runs({**mixed, "state": {}}, {**ddp, "state": {}})
@@ -1277,7 +1283,12 @@ def _run_child(name: str, ctx: Context, part: Path, timeout: float) -> str | Non
     try:
         child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)  # the check and everything it started (torchrun agents)
+        # The check and everything it started: SIGTERM first, which torchrun agents pass on to their workers (in
+        # sessions of their own, out of reach of this group), then SIGKILL.
+        os.killpg(child.pid, signal.SIGTERM)
+        _wait_for_group(child.pid, 15.0)
+        with suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
         child.wait()
         return f"timed out after {timeout:.0f} s"
     finally:
@@ -1286,6 +1297,19 @@ def _run_child(name: str, ctx: Context, part: Path, timeout: float) -> str | Non
     if not part.exists():
         return f"exited with status {child.returncode} without a result"
     return None
+
+
+def _wait_for_group(group: int, seconds: float) -> None:
+    """Wait until no process of process group ``group`` is left, at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        with suppress(ChildProcessError):
+            os.waitpid(-group, os.WNOHANG)  # reap our own child, which would otherwise linger as a zombie
+        time.sleep(0.2)
 
 
 def run_all(
