@@ -260,6 +260,13 @@ HARDWARE: dict[str, Hardware] = {
             source="NVIDIA H100 data sheet (SXM5: BF16 989 TFLOPS dense, FP32 67, HBM3 3.35 TB/s)",
         ),
         _gpu(
+            "h200-sxm", "NVIDIA H200 (SXM)",
+            memory_gib=140, half_tflops=989, fp32_tflops=67, dram_gb_per_s=4800,
+            intra=NVLINK4_NVSWITCH, inter=INFINIBAND_8X_NDR,
+            source="NVIDIA H200 data sheet (SXM: BF16 1,979 TFLOPS with sparsity, so 989 dense; FP32 67; 141 GB "
+            "HBM3e at 4.8 TB/s; the card reports 143,771 MiB, 140 GiB)",
+        ),
+        _gpu(
             "rtx4090-pcie", "NVIDIA GeForce RTX 4090",
             memory_gib=24, half_tflops=165.2, fp32_tflops=82.6, dram_gb_per_s=1008,
             intra=PCIE4_NO_P2P, inter=None,
