@@ -37,18 +37,22 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_osdp.cli.errors import CLIError
-from lightning_osdp.cli.output import Output
-from lightning_osdp.profiling import COLLECTIVE_OPS, CollectiveFit, DeviceRates, fit_latency_throughput
+
+if TYPE_CHECKING:
+    from lightning_osdp.cli.output import Output
+    from lightning_osdp.profiling import CollectiveFit, DeviceRates
+
+# NOTE: the `osdp` parser lists HARDWARE's names, and it imports no torch (cli/parsers.py): this module imports
+# lightning_osdp.profiling (torch) inside the functions that build figures, not here.
 
 __all__ = [
     "HARDWARE",
     "Hardware",
     "HardwareFigures",
     "Link",
-    "add_parser",
     "get_hardware",
     "hardware_from_file",
     "ring_collectives",
@@ -147,6 +151,8 @@ class Hardware:
         link = self.intra
         if nodes > 1 and self.inter is not None and self.inter.bus_bytes_per_second < link.bus_bytes_per_second:
             link = self.inter
+        from lightning_osdp.profiling import DeviceRates
+
         half = precision.startswith(("bf16", "16"))
         flops = (self.half_flops * MATMUL_EFFICIENCY_HALF) if half else (self.fp32_flops * MATMUL_EFFICIENCY_FP32)
         bandwidth = self.memory_bytes_per_second * MEMORY_EFFICIENCY
@@ -197,6 +203,8 @@ class HardwareFigures:
 
 def ring_collectives(world_size: int, link: Link) -> dict[str, CollectiveFit]:
     """``alpha + bytes / beta`` fits of ring collectives over ``link`` (see [Note: the collective model])."""
+    from lightning_osdp.profiling import COLLECTIVE_OPS, CollectiveFit
+
     if world_size == 1:
         return {op: CollectiveFit(op, 1, 0.0, math.inf, []) for op in COLLECTIVE_OPS}
     n = world_size
@@ -304,6 +312,8 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
     the memory rate taken from its measured copy bandwidth (a copy reads and writes: twice the bytes). The rates
     are those of the precision that run used.
     """
+    from lightning_osdp.profiling import COLLECTIVE_OPS, CollectiveFit, DeviceRates
+
     path = Path(path)
     try:
         data: dict[str, Any] = json.loads(path.read_text())
@@ -336,6 +346,8 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
 
 
 def _rescaled(fit: CollectiveFit, world_size: int) -> CollectiveFit:
+    from lightning_osdp.profiling import CollectiveFit
+
     if world_size == 1:
         return CollectiveFit(fit.op, 1, 0.0, math.inf, [])
     if fit.world_size == world_size or fit.world_size < 2 or math.isinf(fit.beta_bytes_per_second):
@@ -346,6 +358,8 @@ def _rescaled(fit: CollectiveFit, world_size: int) -> CollectiveFit:
 
 
 def _rates_from_measured_modules(data: dict[str, Any], copy_rate: float, path: Path) -> DeviceRates:
+    from lightning_osdp.profiling import DeviceRates, fit_latency_throughput
+
     samples = [
         (3.0 * float(m.get("fwd_flops", 0)), float(m.get("fwd_seconds", 0)) + float(m.get("bwd_seconds", 0)))
         for m in data.get("modules", [])
@@ -358,18 +372,6 @@ def _rates_from_measured_modules(data: dict[str, Any], copy_rate: float, path: P
 
 
 # ------------------------------------------------------------------------------------------ osdp hardware
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``osdp hardware``."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "hardware",
-        help="list the built-in hardware figures that osdp plan --hardware uses",
-        description="The built-in hardware figures: data-sheet peaks, the efficiencies applied, and the collective "
-        "times they imply at a world size. Approximations: see lightning_osdp/cli/hardware.py.",
-    )
-    parser.add_argument("--world-size", type=int, default=8, metavar="N", help="world size of the collective times")
-    return parser
-
-
 def run(args: argparse.Namespace, out: Output) -> int:
     """Run ``osdp hardware``; returns the exit status."""
     size = 64 * 2**20

@@ -26,26 +26,9 @@ from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.profiling.report import print_profile
 from lightning_osdp.solver import format_plan
 
-__all__ = ["SavedPlanFile", "add_parser", "load", "mode_figures", "plot", "run"]
+__all__ = ["SavedPlanFile", "load", "mode_figures", "plot", "run"]
 
 _MODE_COLOURS = {"no_shard": "#4C72B0", "shard_grad_op": "#DD8452", "full_shard": "#55A868"}
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``osdp show``."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "show",
-        help="show a saved plan (plan file, sharded checkpoint directory or .ckpt file) as a table",
-        description="Show a saved OSDP plan as a table: from a plan file (with NAME.profile.json beside it, if "
-        "any), a sharded checkpoint directory or a .ckpt file. With a profile, each unit's predicted memory and "
-        "time are shown; --plot draws them under each mode.",
-    )
-    parser.add_argument("path", help="plan .json, sharded checkpoint directory, or .ckpt file")
-    parser.add_argument("--world-size", type=int, metavar="N", help="predict for N ranks (default: the saved one)")
-    parser.add_argument("--profile", action="store_true", help="also print the per-module profile")
-    parser.add_argument("--depth", type=int, default=None, metavar="D", help="fold the profile table to depth D")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw per-unit memory and time by mode (needs matplotlib)")
-    return parser
 
 
 @dataclass
