@@ -49,7 +49,8 @@ def main() -> None:
             started = time.perf_counter()
             plan = solve(prof, budget, 2)
             total = time.perf_counter() - started
-            rows.append((count, problem.option_count, f"{frac:.0%}", total, plan.info["status"], plan.summary()))
+            assert plan.report is not None
+            rows.append((count, problem.option_count, f"{frac:.0%}", total, plan.report.status, plan.summary()))
         times = [r[3] for r in rows if r[0] == count and r[2] != "minimum"]
         print(f"{count} units: median {statistics.median(times):.2f} s, max {max(times):.2f} s", flush=True)
     print(f"\n{'units':>6}{'options':>9}{'budget':>9}{'seconds':>9}  status; plan")

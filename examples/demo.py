@@ -62,19 +62,19 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_global_zero:
         samples = args.batch_size * trainer.world_size
         tokens = samples * args.context
-        info = osdp.plan.info
+        report = osdp.plan.report  # the solver's figures (None for a plan passed in with plan=...)
         print("\n=== lightning_osdp demo ===")
         print(f"plan in force : {osdp.plan.summary()} on {trainer.world_size} CPU processes")
         print(f"budget        : {format_bytes(osdp.memory_budget or 0)} per device")
         peak = osdp.peak_memory_bytes or 0
         print(f"peak memory   : {format_bytes(peak)} measured on rank 0", end="")
-        if "predicted_peak_bytes" in info:
-            print(f" (predicted {format_bytes(info['predicted_peak_bytes'])})")
+        if report is not None:
+            print(f" (predicted {format_bytes(report.predicted_peak_bytes)})")
         else:
             print()
         print(f"step time     : {osdp.step_time * 1e3:.1f} ms (median)", end="")
-        if "predicted_step_seconds" in info:
-            print(f" (predicted {info['predicted_step_seconds'] * 1e3:.1f} ms)")
+        if report is not None:
+            print(f" (predicted {report.predicted_step_seconds * 1e3:.1f} ms)")
         else:
             print()
         print(

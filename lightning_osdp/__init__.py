@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and docu
     from lightning_osdp.cost_model import Prediction, predict
     from lightning_osdp.plan import MODES, Decision, Plan, PlanError, default_units
     from lightning_osdp.profiling import ModelProfile, benchmark_collectives, profile
+    from lightning_osdp.solve_report import PredictionSummary, SolveReport
     from lightning_osdp.solver import InfeasibleBudgetError, format_plan, minimum_budget, solve
     from lightning_osdp.strategy import OSDPStrategy
 
@@ -44,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     "Plan": "lightning_osdp.plan",
     "PlanError": "lightning_osdp.plan",
     "Prediction": "lightning_osdp.cost_model",
+    "PredictionSummary": "lightning_osdp.solve_report",
+    "SolveReport": "lightning_osdp.solve_report",
     "SplitLinear": "lightning_osdp.apply",
     "apply_plan": "lightning_osdp.apply",
     "benchmark_collectives": "lightning_osdp.profiling",
@@ -66,6 +69,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "Prediction",
+    "PredictionSummary",
+    "SolveReport",
     "SplitLinear",
     "apply_plan",
     "benchmark_collectives",

@@ -332,8 +332,10 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
             "from a run on several ranks"
         )
     collectives = {op: _rescaled(fit, world_size) for op, fit in measured.items()}
-    copy_rate = float(info.get("copy_bytes_per_second") or 0.0)
-    rates = DeviceRates(**info["rates"]) if info.get("rates") else _rates_from_measured_modules(data, copy_rate, path)
+    # A version-2 profile has these as fields; version 1 and hand-written files kept them under "info".
+    copy_rate = float(data.get("copy_bytes_per_second") or info.get("copy_bytes_per_second") or 0.0)
+    given_rates = data.get("rates") or info.get("rates")
+    rates = DeviceRates(**given_rates) if given_rates else _rates_from_measured_modules(data, copy_rate, path)
     return HardwareFigures(
         name=str(path),
         device=str(data.get("device") or rates.device),
