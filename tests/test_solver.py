@@ -16,12 +16,13 @@ import pytest
 
 from lightning_osdp.cost_model import predict
 from lightning_osdp.cost_model.structure import ModelInfo
-from lightning_osdp.cost_model.synthetic import gloo_like_collectives, gpt_profile
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
 from lightning_osdp.solve_report import PredictionSummary, SolveReport
 from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, format_plan, minimum_budget, solve
 from lightning_osdp.solver.candidates import segment_options
+
+from synthetic import gloo_like_collectives, gpt_profile
 
 
 def _module(name: str, type_: str, shapes: list[list[int]], rng: random.Random) -> ModuleProfile:
