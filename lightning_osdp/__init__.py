@@ -83,6 +83,27 @@ __all__ = [
     "solve",
 ]
 
+# Subpackages and modules, reachable as attributes after ``import lightning_osdp`` (``lightning_osdp.checkpoint.
+# consolidate(...)``), as they were when this file imported them all.
+_SUBMODULES = frozenset(
+    {
+        "apply",
+        "budget",
+        "checkpoint",
+        "cli",
+        "comm",
+        "cost_model",
+        "launcher",
+        "memory",
+        "plan",
+        "profiling",
+        "solve_report",
+        "solver",
+        "step_monitor",
+        "strategy",
+    }
+)
+
 #: The name ``Trainer(strategy=...)`` takes; ``OSDPStrategy.strategy_name`` (a test checks that they agree).
 _STRATEGY_NAME = "osdp"
 _STRATEGY_DESCRIPTION = "Optimal Sharded Data Parallel (per-module DDP/ZeRO plan)"
@@ -91,6 +112,8 @@ _REGISTRY_MODULE = "lightning.pytorch.strategies"
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")  # the import sets the attribute too
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -100,7 +123,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
 
 
 def _osdp_strategy(**kwargs: Any) -> Any:

@@ -101,6 +101,23 @@ def test_every_public_name_resolves_to_its_module() -> None:
         lightning_osdp.Planner  # noqa: B018
 
 
+def test_subpackages_are_attributes_of_the_package_as_before() -> None:
+    """``import lightning_osdp`` used to import every subpackage, so ``lightning_osdp.checkpoint.consolidate`` worked
+    without importing ``lightning_osdp.checkpoint``; it still does, importing it on first use."""
+    last = _run(
+        """
+        import pathlib, sys
+        import lightning_osdp
+        before = "lightning_osdp.checkpoint" in sys.modules
+        consolidate = lightning_osdp.checkpoint.consolidate
+        package = pathlib.Path(lightning_osdp.__file__).parent
+        on_disk = {p.stem for p in package.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+        print(before, callable(consolidate), sorted(on_disk - {"__init__"}) == sorted(lightning_osdp._SUBMODULES))
+        """
+    )
+    assert last == "False True True"
+
+
 def test_the_parser_s_vocabulary_matches_the_package() -> None:
     """``cli/parsers.py`` spells out what it cannot import without torch; these are the originals."""
     import torch
