@@ -7,9 +7,10 @@ profile (measure the model) -> solve (ILP under the memory budget) -> apply (FSD
 [Note: a lazy package]
 Python runs this file for the import of any submodule, so whatever it imports, every user of the package pays
 for: ``import lightning_osdp.solver`` (which plans without Lightning) and the ``osdp`` command would import
-Lightning (a second or two) if this file imported the strategy. So the public names are resolved on first use
-(PEP 562's module ``__getattr__``), and the strategy name is registered when Lightning's strategy registry
-exists: at once if Lightning is already imported, else right after it is (:func:`_register_when_lightning_loads`).
+Lightning, by far the slowest import of all, if this file imported the strategy. So the public names are resolved
+on first use (PEP 562's module ``__getattr__``), and the strategy name is registered when Lightning's strategy
+registry exists: at once if Lightning is already imported, else right after it is
+(:func:`_register_when_lightning_loads`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ def _read(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> 
     return value
 
 
+def _optional(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``data[name]`` when present and not ``None`` (checked as by :func:`_read`), else ``None``."""
+    return None if data.get(name) is None else _read(data, name, kind)
+
+
 def _read_list(data: Mapping[str, Any], name: str, kind: type) -> tuple[Any, ...]:
     values = _read(data, name, (list, tuple))
     for value in values:
@@ -120,6 +125,10 @@ class SolveReport:
         modes, splits: the modes and split factors it was allowed.
         solve_seconds: wall time of :func:`~lightning_osdp.solve`, building the problem included.
         cbc_seconds: the part spent in CBC.
+        memory_budget_bytes: the budget as the user gave it, when the planning policy (which plans against it less
+            a headroom) made the plan; ``None`` when :func:`~lightning_osdp.solve` was called directly, whose
+            ``budget_bytes`` is then the user's.
+        memory_headroom: the fraction of ``memory_budget_bytes`` the policy kept free (``None`` likewise).
     """
 
     status: str
@@ -136,6 +145,14 @@ class SolveReport:
     splits: tuple[int, ...]
     solve_seconds: float
     cbc_seconds: float
+    memory_budget_bytes: int | None = None
+    memory_headroom: float | None = None
+
+    @property
+    def requested_budget_bytes(self) -> int:
+        """The per-device budget in the user's terms: ``memory_budget_bytes`` when the planning policy made the
+        plan, else ``budget_bytes``."""
+        return self.memory_budget_bytes if self.memory_budget_bytes is not None else self.budget_bytes
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -170,6 +187,8 @@ class SolveReport:
             "splits": list(self.splits),
             "solve_seconds": self.solve_seconds,
             "cbc_seconds": self.cbc_seconds,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "memory_headroom": self.memory_headroom,
         }
 
     @classmethod
@@ -190,9 +209,8 @@ class SolveReport:
             prediction = PredictionSummary.from_dict(summary)
         except ValueError as err:
             raise ValueError(f"field 'prediction': {err}") from None
-        bound = data.get("bound")
-        if bound is not None and not isinstance(bound, str):
-            raise ValueError(f"field 'bound' must be str, got {bound!r}")
+        bound = _optional(data, "bound", str)
+        headroom = _optional(data, "memory_headroom", _NUMBER)
         return cls(
             status=_read(data, "status", str),
             bound=bound,
@@ -208,6 +226,8 @@ class SolveReport:
             splits=_read_list(data, "splits", int),
             solve_seconds=float(_read(data, "solve_seconds", _NUMBER)),
             cbc_seconds=float(_read(data, "cbc_seconds", _NUMBER)),
+            memory_budget_bytes=_optional(data, "memory_budget_bytes", int),
+            memory_headroom=None if headroom is None else float(headroom),
         )
 
     def as_info(self) -> dict[str, Any]:
@@ -232,6 +252,10 @@ class SolveReport:
             cbc_seconds=self.cbc_seconds,
             prediction=self.prediction.to_dict(),
         )
+        if self.memory_budget_bytes is not None:
+            info["memory_budget_bytes"] = self.memory_budget_bytes
+        if self.memory_headroom is not None:
+            info["memory_headroom"] = self.memory_headroom
         return info
 
     @classmethod

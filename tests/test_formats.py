@@ -20,6 +20,7 @@ from lightning_osdp.plan import PLAN_VERSION
 from lightning_osdp.profiling import DeviceRates
 from lightning_osdp.profiling.model_profile import PROFILE_VERSION
 from lightning_osdp.solve_report import REPORT_VERSION
+from lightning_osdp.solver import format_plan
 
 from models import TinyGPT
 
@@ -112,6 +113,26 @@ def test_a_version_1_plan_from_before_the_bound_was_recorded(tmp_path: Path) -> 
     plan = Plan.load(path)
     assert plan.report is not None and plan.report.bound is None and plan.report.status == "optimal"
     assert plan.info == raw["info"]
+
+
+def test_the_budget_the_user_gave_is_recorded_beside_the_one_the_ilp_was_given(tmp_path: Path) -> None:
+    """The planning policy plans against the user's budget less a headroom; a plan file of that kind (its ``info``
+    with ``memory_budget_bytes`` and ``memory_headroom``) reads back with both, and tables show the user's."""
+    raw = _raw("plan_v1.json")
+    raw["info"].update(memory_budget_bytes=553400, memory_headroom=0.05)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(raw))
+    plan = Plan.load(path)
+    report = plan.report
+    assert report is not None and (report.memory_budget_bytes, report.memory_headroom) == (553400, 0.05)
+    assert report.budget_bytes == 525730 and report.requested_budget_bytes == 553400
+    assert plan.info == raw["info"] and list(report.as_info())[-2:] == ["memory_budget_bytes", "memory_headroom"]
+    assert Plan.load(plan.save(tmp_path / "again.json")).report == report
+    profile = ModelProfile.load(DATA / "profile_v1.json")
+    table = format_plan(plan, predict(profile, plan, 2), rich_markup=False)
+    assert "of budget 540.43 KiB" in table and "solver: optimal" in table
+    # Without the policy's figures, the budget is the one the ILP was given.
+    assert Plan.load(DATA / "plan_v1.json").report.requested_budget_bytes == 525730
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,8 @@ class Hardware:
 
     def figures(self, world_size: int, precision: str) -> HardwareFigures:
         """Rates and collective fits of ``world_size`` of these GPUs training at ``precision``."""
+        from lightning_osdp.profiling import DeviceRates
+
         if world_size < 1:
             raise CLIError(f"world size must be at least 1, got {world_size}")
         nodes = math.ceil(world_size / self.gpus_per_node)
@@ -151,8 +153,6 @@ class Hardware:
         link = self.intra
         if nodes > 1 and self.inter is not None and self.inter.bus_bytes_per_second < link.bus_bytes_per_second:
             link = self.inter
-        from lightning_osdp.profiling import DeviceRates
-
         half = precision.startswith(("bf16", "16"))
         flops = (self.half_flops * MATMUL_EFFICIENCY_HALF) if half else (self.fp32_flops * MATMUL_EFFICIENCY_FP32)
         bandwidth = self.memory_bytes_per_second * MEMORY_EFFICIENCY

@@ -2,9 +2,9 @@
 
 [Note: a parser without torch]
 ``osdp --help``, ``osdp plan --help`` and every usage error are answered by the parser alone, so building it
-imports neither torch nor Lightning (a second or more, several times what the help itself takes): this module
-imports ``argparse`` and the built-in hardware table only, and each subcommand's module (``plan.py``,
-``show.py``...) is imported when that subcommand runs. ``tests/test_cli.py`` checks both in a fresh interpreter.
+imports neither torch nor Lightning, which take many times longer to import than the help takes to print: this
+module imports ``argparse`` and the built-in hardware table only, and each subcommand's module (``plan.py``,
+``show.py``...) is imported when that subcommand runs. ``tests/test_imports.py`` checks it in a fresh interpreter.
 """
 
 from __future__ import annotations

@@ -61,14 +61,14 @@ def load(path: str | Path) -> SavedPlanFile:
         profile = _read_profile(ModelProfile.load, beside) if beside.is_file() else None
         report = plan.report
         world_size = report.world_size if report is not None else (profile.world_size if profile else 0)
-        return SavedPlanFile(plan, profile, world_size, report.budget_bytes if report else None, str(path))
+        return SavedPlanFile(plan, profile, world_size, report.requested_budget_bytes if report else None, str(path))
     saved = saved_plan(path)
     if saved is None:
         raise CLIError(f"{str(path)!r} holds no OSDP plan (a checkpoint saved by another strategy?)")
     profile = _read_profile(ModelProfile.from_dict, saved.profile) if saved.profile else None
     budget = saved.memory_budget
     if budget is None and saved.plan.report is not None:
-        budget = saved.plan.report.budget_bytes
+        budget = saved.plan.report.requested_budget_bytes
     return SavedPlanFile(saved.plan, profile, saved.world_size, budget, saved.source)
 
 

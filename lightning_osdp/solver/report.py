@@ -25,7 +25,7 @@ def format_plan(
     Args:
         plan: the plan (its ``report`` supplies the solver's status and budget when present).
         prediction: :func:`~lightning_osdp.cost_model.predict` of the plan.
-        budget: per-device budget in bytes (default: ``plan.report.budget_bytes``).
+        budget: per-device budget in bytes (default: ``plan.report.requested_budget_bytes``).
         rich_markup: render with rich's box drawing; ``None``: when stdout is a terminal (plain text when piped
             or logged).
         width: table width for rich.
@@ -35,7 +35,7 @@ def format_plan(
     the step (exposed communication, copies, optimizer, overhead), in milliseconds.
     """
     if budget is None and plan.report is not None:
-        budget = plan.report.budget_bytes
+        budget = plan.report.requested_budget_bytes
     use_rich = sys.stdout.isatty() if rich_markup is None else rich_markup
     headers = ["module", "params", "mode", "split", "kept", "gathered", "comm ms", "added ms"]
     rows = []
