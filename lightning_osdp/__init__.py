@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -84,27 +85,6 @@ __all__ = [
     "solve",
 ]
 
-# Subpackages and modules, reachable as attributes after ``import lightning_osdp`` (``lightning_osdp.checkpoint.
-# consolidate(...)``), as they were when this file imported them all.
-_SUBMODULES = frozenset(
-    {
-        "apply",
-        "budget",
-        "checkpoint",
-        "cli",
-        "comm",
-        "cost_model",
-        "launcher",
-        "memory",
-        "plan",
-        "profiling",
-        "solve_report",
-        "solver",
-        "step_monitor",
-        "strategy",
-    }
-)
-
 #: The name ``Trainer(strategy=...)`` takes; ``OSDPStrategy.strategy_name`` (a test checks that they agree).
 _STRATEGY_NAME = "osdp"
 _STRATEGY_DESCRIPTION = "Optimal Sharded Data Parallel (per-module DDP/ZeRO plan)"
@@ -113,18 +93,20 @@ _REGISTRY_MODULE = "lightning.pytorch.strategies"
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")  # the import sets the attribute too
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    # A subpackage or module reached as an attribute (``lightning_osdp.checkpoint.consolidate(...)``), as it could be
+    # when this file imported them all; the import sets the attribute too.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})
+    return sorted({*globals(), *_EXPORTS})
 
 
 def _osdp_strategy(**kwargs: Any) -> Any:
