@@ -2,7 +2,7 @@
 
 Run ``python benchmarks/solver_speed.py [--units 300 2000] [--repeats 1]``. A planning unit is what the solver
 decides for (``lightning_osdp.solver.Candidates.count``): a block, each of its large Linears (split candidates),
-the tied embedding/head group and the root. The profile is synthetic (``cost_model.synthetic.gpt_profile``: 4
+the tied embedding/head group and the root. The profile is synthetic (``tests/synthetic.py``'s ``gpt_profile``: 4
 units per block). For each size, ``solve`` runs at budgets 10%, 30%, 50%, 70% and 90% of the way from the
 smallest feasible peak to the all-``no_shard`` peak (default solver settings: gap 1e-3, time limit 10 s). Prints,
 per budget, the time to build the problem (segment simulations, option pruning, timeline), the solver's time
@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic profiles are a test fixture
 
 from lightning_osdp.cost_model import predict
-from lightning_osdp.cost_model.synthetic import gpt_profile
 from lightning_osdp.plan import Plan
 from lightning_osdp.solver import PlanningProblem, minimum_budget, solve
+
+from synthetic import gpt_profile
 
 
 def depth_for(units: int) -> int:
@@ -49,7 +54,8 @@ def main() -> None:
             started = time.perf_counter()
             plan = solve(prof, budget, 2)
             total = time.perf_counter() - started
-            rows.append((count, problem.option_count, f"{frac:.0%}", total, plan.info["status"], plan.summary()))
+            assert plan.report is not None
+            rows.append((count, problem.option_count, f"{frac:.0%}", total, plan.report.status, plan.summary()))
         times = [r[3] for r in rows if r[0] == count and r[2] != "minimum"]
         print(f"{count} units: median {statistics.median(times):.2f} s, max {max(times):.2f} s", flush=True)
     print(f"\n{'units':>6}{'options':>9}{'budget':>9}{'seconds':>9}  status; plan")

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from torch import nn
 
 from lightning_osdp.grouping import ROOT, covering_decision
+from lightning_osdp.solve_report import SolveReport
 
 __all__ = [
     "MODES",
@@ -86,19 +87,29 @@ DecisionLike = Decision | str | tuple[str, int] | Mapping[str, Any]
 
 @dataclass(init=False)
 class Plan:
-    """Per-module sharding decisions, plus free-form ``info`` on where the plan came from.
+    """Per-module sharding decisions, plus where the plan came from.
 
     Args:
         decisions: module qualified name -> :class:`Decision` (a ``(mode, split)`` tuple, a mode string or a
             ``{"mode": ..., "split": ...}`` mapping is accepted and converted).
-        info: provenance and predictions (solver status, predicted peak memory, budget...). Saved and loaded
-            with the plan; never read by the executor.
+        info: free-form provenance (``"source"``, the dry run's settings...). With a ``report``, it also holds the
+            report's figures under the names it has always given them (``info["predicted_peak_bytes"]``...: see
+            :meth:`SolveReport.as_info <lightning_osdp.solve_report.SolveReport.as_info>`). Saved and loaded with
+            the plan; never read by the executor.
+        report: the solver's typed record of how it made the plan and what it predicts (``None`` for a plan
+            written by hand or made uniform).
     """
 
     decisions: dict[str, Decision]
     info: dict[str, Any] = field(default_factory=dict)
+    report: SolveReport | None = None
 
-    def __init__(self, decisions: Mapping[str, DecisionLike], info: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        decisions: Mapping[str, DecisionLike],
+        info: dict[str, Any] | None = None,
+        report: SolveReport | None = None,
+    ) -> None:
         converted: dict[str, Decision] = {}
         for name, value in dict(decisions).items():
             if not isinstance(name, str):
@@ -106,6 +117,10 @@ class Plan:
             converted[name] = _as_decision(name, value)
         self.decisions = converted
         self.info = {} if info is None else info
+        self.report = report
+        if report is not None:
+            # The report is the source of truth for its figures (see [Note: the report and plan.info]).
+            self.info = {**self.info, **report.as_info()}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -156,12 +171,15 @@ class Plan:
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
         """The plan as the JSON document :meth:`save` writes (see ``docs/plan-format.md``)."""
-        return {
+        data = {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "decisions": {name: d.to_dict() for name, d in sorted(self.decisions.items())},
             "info": self.info,
         }
+        if self.report is not None:
+            data["report"] = self.report.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> Plan:
@@ -195,7 +213,14 @@ class Plan:
         info = data.get("info", {})
         if not isinstance(info, dict):
             raise PlanError(f"{source}: field 'info' must be an object")
-        return cls(decisions, info=info)
+        if data.get("report") is None:
+            # A file from before reports existed: the solver's figures are in `info` only.
+            return cls(decisions, info=info, report=SolveReport.from_info(info))
+        try:
+            report = SolveReport.from_dict(data["report"])
+        except ValueError as err:
+            raise PlanError(f"{source}: field 'report': {err}") from None
+        return cls(decisions, info=info, report=report)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the plan as versioned JSON (atomically: a crash leaves the old file intact)."""

@@ -190,7 +190,8 @@ def test_batch_scaled_profile_equals_a_profile_made_at_that_batch_size() -> None
     source = batch_source(None, model)
     at = {b: estimated_profile(model, source.make(b), figures) for b in (2, 4, 7)}
     scaled = BatchScaledProfile(at[2], 2, at[4], 4).at(7)
-    assert at[7].info["rates"] == figures.rates.to_dict(), "the target's rates, not this CPU's"
+    assert at[7].rates == scaled.rates == figures.rates, "the target's rates, not this CPU's"
+    assert at[7].copy_bytes_per_second == scaled.copy_bytes_per_second == figures.copy_bytes_per_second
     assert at[7].device.startswith("cuda") and at[7].world_size == 8
     for name, direct in at[7].modules.items():
         got = scaled.modules[name]
@@ -280,7 +281,8 @@ def test_show_a_plan_file_with_its_profile(capsys: pytest.CaptureFixture[str], s
     assert f"{path}: {plan.summary()}" in out and "2 ranks, budget 50.00 MiB per device" in out
     # The profile beside the plan gives the same prediction the solver made.
     peak = re.search(r"predicted peak ([\d.]+ MiB) of budget 50.00 MiB", out)
-    assert peak and gib(peak.group(1)) * GIB == pytest.approx(plan.info["predicted_peak_bytes"], rel=1e-3)
+    assert plan.report is not None
+    assert peak and gib(peak.group(1)) * GIB == pytest.approx(plan.report.predicted_peak_bytes, rel=1e-3)
     for name, decision in plan:
         assert re.search(rf"^{re.escape(name or '<root>')}\s.*\s{decision.mode}\s", out, re.M), name
 

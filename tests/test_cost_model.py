@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 
 from lightning_osdp.cost_model import CostModelConfig, MemoryParts, predict
-from lightning_osdp.cost_model.synthetic import gpt_profile
 from lightning_osdp.cost_model.units import ParamSpec, unit_bytes
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
+
+from synthetic import gpt_profile
 
 CONFIG = CostModelConfig(
     copy_bytes_per_second=1e6,

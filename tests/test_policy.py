@@ -9,8 +9,8 @@ import pytest
 
 from lightning_osdp import OSDPStrategy, Plan, predict
 from lightning_osdp.cli.output import Output
-from lightning_osdp.cli.plan import _solve, add_parser, resolve
-from lightning_osdp.cost_model.synthetic import gpt_profile
+from lightning_osdp.cli.parsers import DEFAULT_MEMORY_HEADROOM_TEXT, add_plan_parser
+from lightning_osdp.cli.plan import _solve, resolve
 from lightning_osdp.solver import (
     InfeasibleBudgetError,
     minimum_budget,
@@ -19,15 +19,17 @@ from lightning_osdp.solver import (
     smallest_memory_budget,
     solve,
 )
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 
 from conftest import ROOT
+from synthetic import gpt_profile
 
 GPT_CONFIG = ROOT / "examples" / "gpt" / "configs" / "osdp_budget.yaml"
 
 
 def _dry_run_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_plan_parser(parser.add_subparsers())
     return parser.parse_args(["plan", "--config", str(GPT_CONFIG), "--hardware", "l4-pcie", *argv])
 
 
@@ -54,7 +56,8 @@ def test_the_cli_and_the_strategy_choose_the_same_plan_for_one_profile_and_budge
     # The headroom is part of the policy: at the full budget the solver keeps more replicated.
     assert solve(prof, budget, 2, max_split=2).decisions != chosen.decisions  # type: ignore[arg-type]
     assert chosen.info["predicted_peak_bytes"] <= planned_budget(budget, 0.1) < budget
-    assert chosen.info["memory_budget_bytes"] == budget and chosen.info["memory_headroom"] == 0.1
+    assert chosen.report is not None
+    assert chosen.report.memory_budget_bytes == budget and chosen.report.memory_headroom == 0.1
 
 
 def test_the_cli_reads_the_headroom_of_the_strategy_in_a_config(tmp_path: Path) -> None:
@@ -62,7 +65,7 @@ def test_the_cli_reads_the_headroom_of_the_strategy_in_a_config(tmp_path: Path) 
     budget = "      memory_budget: 80MiB"
     config.write_text(GPT_CONFIG.read_text().replace(budget, budget + "\n      memory_headroom: 0.2"))
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_plan_parser(parser.add_subparsers())
     model = str(ROOT / "examples" / "gpt" / "gpt.py") + ":GPTModule"
     argv = ["plan", "--config", str(config), "--model", model, "--hardware", "l4-pcie"]
     run = resolve(parser.parse_args(argv), Output(quiet=True))
@@ -79,3 +82,7 @@ def test_an_infeasible_budget_names_the_smallest_memory_budget_that_passes_with_
         plan_model(prof, smallest - 1, 2, headroom=0.1)  # type: ignore[arg-type]
     assert caught.value.minimum == smallest
     plan_model(prof, smallest, 2, headroom=0.1)  # type: ignore[arg-type]
+
+
+def test_the_parsers_default_headroom_is_the_policys() -> None:
+    assert float(DEFAULT_MEMORY_HEADROOM_TEXT) == DEFAULT_MEMORY_HEADROOM

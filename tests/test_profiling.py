@@ -277,17 +277,18 @@ def test_estimated_mode_on_the_meta_device_counts_the_same_bytes_as_measured() -
     assert estimated.tied == measured.tied == [["wte", "lm_head"]]
     assert estimated.optim_state_factor == measured.optim_state_factor == 2.0
     # Times from FLOPs and bytes at measured rates: positive, and the matmul rate a CPU core can reach.
-    rates = estimated.info["rates"]
-    assert 1e9 < rates["matmul_flops_per_second"] < 1e13
-    assert 1e8 < rates["memory_bytes_per_second"] < 1e12
+    rates = estimated.rates
+    assert rates is not None and measured.rates is None
+    assert 1e9 < rates.matmul_flops_per_second < 1e13
+    assert 1e8 < rates.memory_bytes_per_second < 1e12
     assert estimated.modules["h.0.fc"].fwd_seconds > 0 and estimated.modules["h.0.fc"].bwd_seconds > 0
     assert estimated.optimizer_step_seconds > 0
-    # Facts the cost model reads from `info`: the order modules ran in, and the copy bandwidth of this device.
-    order = estimated.info["forward_order"]
-    assert order == measured.info["forward_order"]
+    # Facts later stages read: the order modules ran in, and the copy bandwidth of this device.
+    order = estimated.forward_order
+    assert order == measured.forward_order
     assert order[:5] == ["", "wte", "frozen", "h.0", "h.0.ln_1"] and order[-2:] == ["ln_f", "lm_head"]
     assert "h" not in order  # a ModuleList is never called
-    assert estimated.info["copy_bytes_per_second"] > 1e8
+    assert estimated.copy_bytes_per_second is not None and estimated.copy_bytes_per_second > 1e8
     assert all(p.is_meta for p in meta_model.parameters())  # the user's model is still on meta
 
 
@@ -301,8 +302,8 @@ def test_estimated_mode_converts_with_the_rates_and_copy_bandwidth_it_is_given()
     fast = profile(meta_model, batch, rates=given, copy_bytes_per_second=123.0)
     slow = profile(meta_model, batch, rates=twice_as_slow, copy_bytes_per_second=123.0)
     assert fast.mode == slow.mode == "estimated"
-    assert fast.info["rates"] == given.to_dict() and slow.info["rates"] == twice_as_slow.to_dict()
-    assert fast.info["copy_bytes_per_second"] == slow.info["copy_bytes_per_second"] == 123.0
+    assert fast.rates == given and slow.rates == twice_as_slow
+    assert fast.copy_bytes_per_second == slow.copy_bytes_per_second == 123.0
     fc = fast.modules["h.0.fc"]
     assert fc.fwd_seconds >= fc.fwd_flops / given.matmul_flops_per_second > 0
     # Every time is the same operator counts over the rates: halving every rate doubles every time.

@@ -8,6 +8,7 @@ evaluates each plan with ``predict``: independent of how the ILP is assembled.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pulp
@@ -15,11 +16,13 @@ import pytest
 
 from lightning_osdp.cost_model import predict
 from lightning_osdp.cost_model.structure import ModelInfo
-from lightning_osdp.cost_model.synthetic import gloo_like_collectives, gpt_profile
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
+from lightning_osdp.solve_report import PredictionSummary, SolveReport
 from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, format_plan, minimum_budget, solve
 from lightning_osdp.solver.candidates import segment_options
+
+from synthetic import gloo_like_collectives, gpt_profile
 
 
 def _module(name: str, type_: str, shapes: list[list[int]], rng: random.Random) -> ModuleProfile:
@@ -134,15 +137,15 @@ def test_ilp_optimum_equals_brute_force_under_the_cost_model(seed, units, blocks
     for fraction in (rng.uniform(0.02, 0.3), rng.uniform(0.3, 0.7), 1.0):
         budget = int(low + (high - low) * fraction)
         plan = solve(profile, budget, splits=splits, gap=1e-9)
-        assert plan.info["predicted_step_seconds"] == pytest.approx(brute_force(plans, budget), rel=1e-9, abs=1e-12)
+        assert plan.report.predicted_step_seconds == pytest.approx(brute_force(plans, budget), rel=1e-9, abs=1e-12)
         # The ILP's own figures are the predictor's, not an approximation of them.
-        assert plan.info["ilp_step_seconds"] == pytest.approx(plan.info["predicted_step_seconds"], rel=1e-9)
+        assert plan.report.ilp_step_seconds == pytest.approx(plan.report.predicted_step_seconds, rel=1e-9)
         if any(d.mode != "no_shard" for d in plan.decisions.values()):
-            assert abs(plan.info["ilp_peak_bytes"] - plan.info["predicted_peak_bytes"]) <= 1
+            assert abs(plan.report.ilp_peak_bytes - plan.report.predicted_peak_bytes) <= 1
         else:  # the ILP bounds FSDP2 buffers a plan that shards nothing does not have; solve checks it exactly
-            assert plan.info["ilp_peak_bytes"] >= plan.info["predicted_peak_bytes"]
-        assert plan.info["predicted_peak_bytes"] <= budget
-        assert plan.info["status"] == "optimal"
+            assert plan.report.ilp_peak_bytes >= plan.report.predicted_peak_bytes
+        assert plan.report.predicted_peak_bytes <= budget
+        assert plan.report.status == "optimal"
 
 
 def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
@@ -164,10 +167,10 @@ def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
         prob = formulated[0]
         prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=0, gapAbs=0))
         assert prob.sol_status == pulp.LpSolutionOptimal
-        assert plan.info["predicted_step_seconds"] == pytest.approx(pulp.value(prob.objective) / 1e3, rel=1e-9)
-        assert plan.info["predicted_peak_bytes"] <= budget
-        assert plan.info["status"] == "optimal" or plan.info["status"] == "within gap 0.001"
-        bounds.add(plan.info["bound"])
+        assert plan.report.predicted_step_seconds == pytest.approx(pulp.value(prob.objective) / 1e3, rel=1e-9)
+        assert plan.report.predicted_peak_bytes <= budget
+        assert plan.report.status == "optimal" or plan.report.status == "within gap 0.001"
+        bounds.add(plan.report.bound)
         # The placement of the relaxation's counts (used when its solution is not whole) holds them and fits.
         counted = problem._count_relaxation(prob, be, formulated[1], formulated[2], 1e-3, 10.0)
         assert counted is not None
@@ -189,8 +192,8 @@ def test_a_plan_never_exceeds_the_budget_it_was_solved_for():
         budget = int(low + (high - low) * fraction)
         plan = solve(profile, budget)
         assert predict(profile, plan).peak_bytes <= budget
-        assert plan.info["predicted_peak_bytes"] == predict(profile, plan).peak_bytes
-        assert plan.info["budget_bytes"] == budget
+        assert plan.report.predicted_peak_bytes == predict(profile, plan).peak_bytes
+        assert plan.report.budget_bytes == budget
 
 
 def test_ample_budget_is_all_no_shard():
@@ -209,7 +212,7 @@ def test_smallest_feasible_budget_is_mostly_full_shard_with_splits():
     modes = [d.mode for d in plan.decisions.values()]
     assert modes.count("full_shard") > len(modes) / 2
     assert any(d.split > 1 for d in plan.decisions.values())
-    assert plan.info["predicted_peak_bytes"] == low
+    assert plan.report.predicted_peak_bytes == low
 
 
 @pytest.mark.parametrize(
@@ -236,7 +239,7 @@ def test_infeasible_budget_states_the_smallest_feasible_one():
     assert str(low) in message
     assert caught.value.minimum == low
     assert "model.blocks" in message  # the largest consumers are named
-    assert solve(profile, low).info["predicted_peak_bytes"] <= low
+    assert solve(profile, low).report.predicted_peak_bytes <= low
 
 
 def test_tied_holders_take_one_mode_and_no_split():
@@ -250,15 +253,44 @@ def test_tied_holders_take_one_mode_and_no_split():
             assert wte == head and wte.split == 1
 
 
-def test_plan_info_records_how_it_was_solved():
+def test_the_report_records_how_the_plan_was_solved():
     profile = gpt_profile(depth=2, width=64)
     plan = solve(profile, "1GiB", world_size=2)
-    info = plan.info
-    assert info["status"] == "optimal" or info["status"].startswith(("within gap", "time limit"))
-    for key in ("predicted_peak_bytes", "predicted_step_seconds", "budget_bytes", "world_size", "planning_units"):
-        assert key in info
-    assert info["world_size"] == 2 and info["budget_bytes"] == 2**30
-    assert Plan.from_dict(plan.to_dict()).info["status"] == info["status"]
+    report = plan.report
+    assert isinstance(report, SolveReport)
+    assert report.status == "optimal" or report.status.startswith(("within gap", "time limit"))
+    assert report.world_size == 2 and report.budget_bytes == 2**30 and report.gap == 1e-3
+    assert report.modes == MODES and report.splits == (1, 2, 4, 8)
+    assert report.planning_units == PlanningProblem(profile, 2).candidates.count and report.options > 0
+    assert 0 <= report.cbc_seconds <= report.solve_seconds
+    prediction = predict(profile, plan, 2)
+    assert report.prediction == PredictionSummary.from_dict(prediction.to_dict())
+    assert report.predicted_peak_bytes == prediction.peak_bytes and report.predicted_peak_at == prediction.peak_at
+    assert report.predicted_step_seconds == prediction.step_seconds
+    # plan.info keeps every figure under the name it had before the report existed.
+    assert plan.info == {
+        "source": "lightning_osdp.solver",
+        "status": report.status,
+        "bound": report.bound,
+        "gap": 1e-3,
+        "budget_bytes": 2**30,
+        "world_size": 2,
+        "predicted_peak_bytes": prediction.peak_bytes,
+        "predicted_step_seconds": prediction.step_seconds,
+        "predicted_peak_at": prediction.peak_at,
+        "ilp_peak_bytes": report.ilp_peak_bytes,
+        "ilp_step_seconds": report.ilp_step_seconds,
+        "planning_units": report.planning_units,
+        "options": report.options,
+        "modes": list(MODES),
+        "splits": [1, 2, 4, 8],
+        "solve_seconds": report.solve_seconds,
+        "cbc_seconds": report.cbc_seconds,
+        "prediction": prediction.to_dict(),
+    }
+    assert list(plan.info) == ["source", *report.as_info()]  # and in the order it had
+    loaded = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert loaded == plan and loaded.report == report
 
 
 def test_format_plan_prints_units_totals_and_peak_against_budget():

@@ -168,7 +168,7 @@ def test_automatic_plan_is_checked_against_the_measured_step(tmp_path: Path) -> 
     strategy = OSDPStrategy(memory_budget="1GiB", plan_out=tmp_path / "plan.json")
     _trainer(strategy, max_steps=5).fit(model, train)
     assert strategy.profile is not None and strategy.plan is not None
-    assert strategy.plan.info["status"] == "optimal"
+    assert strategy.plan.report is not None and strategy.plan.report.status == "optimal"
     # An ample budget on one rank: nothing to shard for, and every unit replicated.
     assert {d.mode for d in strategy.plan.decisions.values()} == {"no_shard"}
     assert Plan.load(tmp_path / "plan.json").decisions == strategy.plan.decisions

@@ -9,6 +9,9 @@
 ``osdp hardware``
     the built-in hardware figures ``osdp plan --hardware`` uses (``hardware.py``).
 
+Building the parser imports neither torch nor Lightning (``parsers.py``): each subcommand's module is imported
+when it runs.
+
 A mistake in what the user gave (an unknown name, a path that does not exist, a budget no plan fits) ends the
 command with exit status 2 and one line on stderr, ``osdp: error: ...``; anything else is a bug and keeps its
 traceback.
@@ -17,6 +20,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -26,8 +30,9 @@ __all__ = ["CLIError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``osdp`` argument parser with every subcommand."""
-    from lightning_osdp.cli import consolidate, hardware, plan, show
+    """The ``osdp`` argument parser with every subcommand; ``args.run_module`` names the module that runs the
+    chosen one."""
+    from lightning_osdp.cli.parsers import COMMANDS
 
     parser = argparse.ArgumentParser(
         prog="osdp",
@@ -35,25 +40,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages on stderr")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in (plan, show, consolidate, hardware):
-        command.add_parser(subparsers).set_defaults(run=command.run)
+    for add_parser, module in COMMANDS.values():
+        add_parser(subparsers).set_defaults(run_module=module)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``osdp`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    from lightning_osdp.checkpoint import CheckpointError
-    from lightning_osdp.cli.output import Output
-    from lightning_osdp.plan import PlanError
-
     parser = build_parser()
     try:
         args = parser.parse_args(list(argv) if argv is not None else None)
     except SystemExit as exit_:  # --help, or a usage error argparse already printed
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+    # After parsing, not before: these import torch (see parsers.py's [Note: a parser without torch]).
+    from lightning_osdp.checkpoint import CheckpointError
+    from lightning_osdp.cli.output import Output
+    from lightning_osdp.plan import PlanError
+
     out = Output(quiet=args.quiet)
     try:
-        return int(args.run(args, out))
+        return int(importlib.import_module(args.run_module).run(args, out))
     except (CLIError, PlanError, CheckpointError) as err:
         message = " ".join(str(err).split())
         print(f"osdp: error: {message}", file=sys.stderr, flush=True)

@@ -8,28 +8,13 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
 
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.checkpoint import CheckpointError, consolidate
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.output import Output
 
-__all__ = ["add_parser", "run"]
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``osdp consolidate``."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "consolidate",
-        help="turn a sharded OSDP checkpoint directory into one .ckpt file (no OSDP needed to load it)",
-        description="Turn a sharded lightning_osdp checkpoint directory into one Lightning .ckpt file that "
-        "MyModule.load_from_checkpoint() loads without OSDP, a process group or a GPU.",
-    )
-    parser.add_argument("checkpoint", help="sharded checkpoint directory")
-    parser.add_argument("out", help="the .ckpt file to write")
-    parser.add_argument("--weights-only", action="store_true", help="leave the optimizer states out")
-    return parser
+__all__ = ["run"]
 
 
 def run(args: argparse.Namespace, out: Output) -> int:

@@ -33,7 +33,10 @@ from lightning_osdp.profiling import ModelProfile, ModuleProfile, ProfilingError
 
 __all__ = ["BatchScaledProfile", "estimated_profile", "largest_batch"]
 
-_NOT_SCALED = frozenset({"world_size", "profiling_seconds", "optim_state_factor"})
+# Figures of the hardware or the run, not of the batch.
+_NOT_SCALED = frozenset(
+    {"world_size", "profiling_seconds", "optim_state_factor", "copy_bytes_per_second", "framework_seconds"}
+)
 
 
 def estimated_profile(

@@ -37,18 +37,22 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_osdp.cli.errors import CLIError
-from lightning_osdp.cli.output import Output
-from lightning_osdp.profiling import COLLECTIVE_OPS, CollectiveFit, DeviceRates, fit_latency_throughput
+
+if TYPE_CHECKING:
+    from lightning_osdp.cli.output import Output
+    from lightning_osdp.profiling import CollectiveFit, DeviceRates
+
+# NOTE: the `osdp` parser lists HARDWARE's names, and it imports no torch (cli/parsers.py): this module imports
+# lightning_osdp.profiling (torch) inside the functions that build figures, not here.
 
 __all__ = [
     "HARDWARE",
     "Hardware",
     "HardwareFigures",
     "Link",
-    "add_parser",
     "get_hardware",
     "hardware_from_file",
     "ring_collectives",
@@ -136,6 +140,8 @@ class Hardware:
 
     def figures(self, world_size: int, precision: str) -> HardwareFigures:
         """Rates and collective fits of ``world_size`` of these GPUs training at ``precision``."""
+        from lightning_osdp.profiling import DeviceRates
+
         if world_size < 1:
             raise CLIError(f"world size must be at least 1, got {world_size}")
         nodes = math.ceil(world_size / self.gpus_per_node)
@@ -197,6 +203,8 @@ class HardwareFigures:
 
 def ring_collectives(world_size: int, link: Link) -> dict[str, CollectiveFit]:
     """``alpha + bytes / beta`` fits of ring collectives over ``link`` (see [Note: the collective model])."""
+    from lightning_osdp.profiling import COLLECTIVE_OPS, CollectiveFit
+
     if world_size == 1:
         return {op: CollectiveFit(op, 1, 0.0, math.inf, []) for op in COLLECTIVE_OPS}
     n = world_size
@@ -311,6 +319,8 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
     the memory rate taken from its measured copy bandwidth (a copy reads and writes: twice the bytes). The rates
     are those of the precision that run used.
     """
+    from lightning_osdp.profiling import COLLECTIVE_OPS, CollectiveFit, DeviceRates
+
     path = Path(path)
     try:
         data: dict[str, Any] = json.loads(path.read_text())
@@ -329,8 +339,10 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
             "from a run on several ranks"
         )
     collectives = {op: _rescaled(fit, world_size) for op, fit in measured.items()}
-    copy_rate = float(info.get("copy_bytes_per_second") or 0.0)
-    rates = DeviceRates(**info["rates"]) if info.get("rates") else _rates_from_measured_modules(data, copy_rate, path)
+    # A version-2 profile has these as fields; version 1 and hand-written files kept them under "info".
+    copy_rate = float(data.get("copy_bytes_per_second") or info.get("copy_bytes_per_second") or 0.0)
+    given_rates = data.get("rates") or info.get("rates")
+    rates = DeviceRates(**given_rates) if given_rates else _rates_from_measured_modules(data, copy_rate, path)
     return HardwareFigures(
         name=str(path),
         device=str(data.get("device") or rates.device),
@@ -343,6 +355,8 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
 
 
 def _rescaled(fit: CollectiveFit, world_size: int) -> CollectiveFit:
+    from lightning_osdp.profiling import CollectiveFit
+
     if world_size == 1:
         return CollectiveFit(fit.op, 1, 0.0, math.inf, [])
     if fit.world_size == world_size or fit.world_size < 2 or math.isinf(fit.beta_bytes_per_second):
@@ -353,6 +367,8 @@ def _rescaled(fit: CollectiveFit, world_size: int) -> CollectiveFit:
 
 
 def _rates_from_measured_modules(data: dict[str, Any], copy_rate: float, path: Path) -> DeviceRates:
+    from lightning_osdp.profiling import DeviceRates, fit_latency_throughput
+
     samples = [
         (3.0 * float(m.get("fwd_flops", 0)), float(m.get("fwd_seconds", 0)) + float(m.get("bwd_seconds", 0)))
         for m in data.get("modules", [])
@@ -365,18 +381,6 @@ def _rates_from_measured_modules(data: dict[str, Any], copy_rate: float, path: P
 
 
 # ------------------------------------------------------------------------------------------ osdp hardware
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``osdp hardware``."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "hardware",
-        help="list the built-in hardware figures that osdp plan --hardware uses",
-        description="The built-in hardware figures: data-sheet peaks, the efficiencies applied, and the collective "
-        "times they imply at a world size. Approximations: see lightning_osdp/cli/hardware.py.",
-    )
-    parser.add_argument("--world-size", type=int, default=8, metavar="N", help="world size of the collective times")
-    return parser
-
-
 def run(args: argparse.Namespace, out: Output) -> int:
     """Run ``osdp hardware``; returns the exit status."""
     size = 64 * 2**20

@@ -16,6 +16,7 @@ Example, a GPT-2-XL-shaped model (1.3B parameters) on 8 GeForce RTX 4090s::
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,120 +39,17 @@ from lightning_osdp.cli.model import (
     read_configs,
 )
 from lightning_osdp.cli.output import Output
+from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
 
-__all__ = ["BASELINES", "DryRun", "StrategyFigures", "add_parser", "run"]
-
-_EXAMPLE = """example: a GPT-2-XL-shaped model (1.3B parameters) on 8 GeForce RTX 4090s
-  osdp plan --model examples/gpt/gpt.py:GPTModule \\
-      --init-args '{"width": 2048, "depth": 24, "heads": 16, "context_length": 1024, "vocab_size": 50304}' \\
-      --world-size 8 --memory 24GiB --hardware rtx4090-pcie --batch-size 4"""
+__all__ = ["BASELINES", "DryRun", "StrategyFigures", "run"]
 
 #: The uniform strategies compared with OSDP: (name, mode).
 BASELINES: tuple[tuple[str, str], ...] = (("DDP", "no_shard"), ("ZeRO-2", "shard_grad_op"), ("FSDP", "full_shard"))
-
-# Lightning's precision flags and their aliases; 64-bit has no tensor-core rate worth modelling.
-_PRECISIONS = {
-    "32": "32-true",
-    "32-true": "32-true",
-    "bf16": "bf16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "bf16-true": "bf16-true",
-    "16": "16-mixed",
-    "16-mixed": "16-mixed",
-    "16-true": "16-true",
-}
-
-_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "adamw": lambda params: torch.optim.AdamW(params),
-    "adam": lambda params: torch.optim.Adam(params),
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
-    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-}
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``osdp plan`` and its options."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "plan",
-        help="dry-run OSDP, DDP, ZeRO-2 and FSDP for a model on given hardware (no GPU needed)",
-        description="Will it fit, and how fast? Profile a model on fake tensors with the target hardware's figures,\n"
-        "solve the OSDP plan under a per-device memory budget, and compare it with DDP, ZeRO-2 and FSDP,\n"
-        "with the largest batch size each fits. Needs no GPU and no cluster.",
-        epilog=_EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        metavar="YAML",
-        help="LightningCLI config(s); model:, data.batch_size, trainer.precision/devices and the "
-        "OSDP strategy's init args are read (repeatable, later ones override)",
-    )
-    model.add_argument("--model", metavar="CLASS", help="module:Class, package.module.Class or path/to/file.py:Class")
-    model.add_argument("--init-args", metavar="JSON", help="the model's __init__ arguments as a JSON object")
-    model.add_argument(
-        "--init-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="one __init__ argument (value read as YAML); repeatable, overrides --init-args",
-    )
-    model.add_argument(
-        "--batch",
-        metavar="SPEC",
-        help="DTYPE:SHAPE per tensor (int64:8x1025; comma-separated for a tuple) or module:function "
-        "called with the batch size; default: the model's example_input_array, or token windows of "
-        "context_length + 1",
-    )
-    model.add_argument("--batch-size", type=int, metavar="N", help="per-device batch size")
-    model.add_argument(
-        "--precision", choices=sorted(_PRECISIONS), help="Lightning precision (default: config, else 32-true)"
-    )
-    model.add_argument(
-        "--optimizer",
-        choices=["auto", *_OPTIMIZERS],
-        default="auto",
-        help="optimizer whose state is counted; auto: configure_optimizers(), AdamW if it needs a Trainer",
-    )
-    machine = parser.add_argument_group("machine")
-    machine.add_argument(
-        "--world-size", type=int, metavar="N", help="number of GPUs (default: config devices x num_nodes)"
-    )
-    machine.add_argument(
-        "--memory",
-        metavar="BYTES",
-        help="per-device memory budget, e.g. 24GiB (default: the config's, else the GPU's memory "
-        f"less {format_bytes(CUDA_RESERVE_BYTES)})",
-    )
-    machine.add_argument("--hardware", metavar="NAME", help=f"built-in figures: {', '.join(HARDWARE)}")
-    machine.add_argument(
-        "--hardware-profile",
-        metavar="JSON",
-        help="measured figures: a saved profile (osdp_plan.profile.json) from a run on the target",
-    )
-    planner = parser.add_argument_group("planner")
-    planner.add_argument(
-        "--modes", metavar="M[,M...]", help=f"modes OSDP may choose (default: all of {', '.join(MODES)})"
-    )
-    planner.add_argument("--max-split", type=int, metavar="K", help="largest operator-splitting factor (default 8)")
-    planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
-    planner.add_argument(
-        "--headroom",
-        type=float,
-        metavar="F",
-        help="fraction of the budget the planner keeps free, as OSDPStrategy(memory_headroom=...) does "
-        f"(default: the config's, else {DEFAULT_MEMORY_HEADROOM})",
-    )
-    parser.add_argument("--out", metavar="PLAN.json", help="save the OSDP plan here (its profile beside it)")
-    parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
-    return parser
 
 
 @dataclass
@@ -229,12 +127,18 @@ def _model_spec(args: argparse.Namespace, config: RunConfig, out: Output) -> str
     )
 
 
+def _optimizer_factory(name: str) -> Callable[[Any], torch.optim.Optimizer]:
+    """``params -> optimizer`` for an ``--optimizer`` name (``parsers.OPTIMIZERS``)."""
+    cls, kwargs = OPTIMIZERS[name]
+    return functools.partial(getattr(torch.optim, cls), **kwargs)
+
+
 def _optimizer(choice: str, model: nn.Module) -> tuple[Any, str]:
     if choice != "auto":
-        return _OPTIMIZERS[choice], f"--optimizer {choice}"
+        return _optimizer_factory(choice), f"--optimizer {choice}"
     configure = getattr(model, "configure_optimizers", None)
     if configure is None:
-        return _OPTIMIZERS["adamw"], "assumed: the model has no configure_optimizers(); --optimizer to choose"
+        return _optimizer_factory("adamw"), "assumed: the model has no configure_optimizers(); --optimizer to choose"
     try:
         configure()
     except Exception as err:
@@ -242,7 +146,7 @@ def _optimizer(choice: str, model: nn.Module) -> tuple[Any, str]:
         # type, which is all the profile needs, is then unknown.
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:100]
         note = f"assumed: configure_optimizers() needs a Trainer ({reason}); --optimizer to choose"
-        return _OPTIMIZERS["adamw"], note
+        return _optimizer_factory("adamw"), note
     return None, "from configure_optimizers()"
 
 
@@ -261,11 +165,11 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     if not world_size or world_size < 1:
         raise CLIError("give --world-size N (the number of GPUs), or a config whose trainer.devices is a number")
     precision_flag = args.precision or config.precision or "32-true"
-    if precision_flag not in _PRECISIONS:
+    if precision_flag not in PRECISIONS:
         raise CLIError(
-            f"precision {precision_flag!r} is not supported by the dry run; use one of {', '.join(_PRECISIONS)}"
+            f"precision {precision_flag!r} is not supported by the dry run; use one of {', '.join(PRECISIONS)}"
         )
-    precision = _PRECISIONS[precision_flag]
+    precision = PRECISIONS[precision_flag]
     if args.hardware and args.hardware_profile:
         raise CLIError("give --hardware or --hardware-profile, not both")
     if args.hardware:

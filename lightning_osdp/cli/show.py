@@ -26,26 +26,9 @@ from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.profiling.report import print_profile
 from lightning_osdp.solver import format_plan
 
-__all__ = ["SavedPlanFile", "add_parser", "load", "mode_figures", "plot", "run"]
+__all__ = ["SavedPlanFile", "load", "mode_figures", "plot", "run"]
 
 _MODE_COLOURS = {"no_shard": "#4C72B0", "shard_grad_op": "#DD8452", "full_shard": "#55A868"}
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``osdp show``."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        "show",
-        help="show a saved plan (plan file, sharded checkpoint directory or .ckpt file) as a table",
-        description="Show a saved OSDP plan as a table: from a plan file (with NAME.profile.json beside it, if "
-        "any), a sharded checkpoint directory or a .ckpt file. With a profile, each unit's predicted memory and "
-        "time are shown; --plot draws them under each mode.",
-    )
-    parser.add_argument("path", help="plan .json, sharded checkpoint directory, or .ckpt file")
-    parser.add_argument("--world-size", type=int, metavar="N", help="predict for N ranks (default: the saved one)")
-    parser.add_argument("--profile", action="store_true", help="also print the per-module profile")
-    parser.add_argument("--depth", type=int, default=None, metavar="D", help="fold the profile table to depth D")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw per-unit memory and time by mode (needs matplotlib)")
-    return parser
 
 
 @dataclass
@@ -76,16 +59,16 @@ def load(path: str | Path) -> SavedPlanFile:
         plan = Plan.load(path)
         beside = path.with_name(path.stem + ".profile.json")
         profile = _read_profile(ModelProfile.load, beside) if beside.is_file() else None
-        world_size = int(plan.info.get("world_size") or (profile.world_size if profile else 0))
-        budget = plan.info.get("memory_budget_bytes", plan.info.get("budget_bytes"))
-        return SavedPlanFile(plan, profile, world_size, budget, str(path))
+        report = plan.report
+        world_size = report.world_size if report is not None else (profile.world_size if profile else 0)
+        return SavedPlanFile(plan, profile, world_size, report.requested_budget_bytes if report else None, str(path))
     saved = saved_plan(path)
     if saved is None:
         raise CLIError(f"{str(path)!r} holds no OSDP plan (a checkpoint saved by another strategy?)")
     profile = _read_profile(ModelProfile.from_dict, saved.profile) if saved.profile else None
     budget = saved.memory_budget
-    if budget is None:
-        budget = saved.plan.info.get("memory_budget_bytes", saved.plan.info.get("budget_bytes"))
+    if budget is None and saved.plan.report is not None:
+        budget = saved.plan.report.requested_budget_bytes
     return SavedPlanFile(saved.plan, profile, saved.world_size, budget, saved.source)
 
 
@@ -98,15 +81,15 @@ def _read_profile(reader: Any, source: Any) -> ModelProfile:
 
 
 def _header(saved: SavedPlanFile, world_size: int) -> list[str]:
-    info = saved.plan.info
+    info = saved.plan.info  # provenance: where the plan came from, a dry run's settings
     lines = [f"{saved.source}: {saved.plan.summary()}"]
     made = [f"source {info.get('source', '?')}"]
     if world_size:
         made.append(f"{world_size} ranks")
     if saved.budget:
         made.append(f"budget {format_bytes(saved.budget)} per device")
-    if info.get("status"):
-        made.append(f"solver {info['status']}")
+    if saved.plan.report is not None:
+        made.append(f"solver {saved.plan.report.status}")
     lines.append("  " + ", ".join(made))
     dry = info.get("dry_run")
     if isinstance(dry, dict):
@@ -123,12 +106,12 @@ def _header(saved: SavedPlanFile, world_size: int) -> list[str]:
 
 def _decisions_only(saved: SavedPlanFile, out: Output) -> None:
     rows = [[name or "<root>", d.mode, str(d.split)] for name, d in saved.plan]
-    info = saved.plan.info
+    report = saved.plan.report
     notes = ["No profile was saved with this plan: the memory and time of each unit need one."]
-    if info.get("predicted_peak_bytes"):
+    if report is not None:
         notes.append(
-            f"Predicted when it was solved: peak {format_bytes(info['predicted_peak_bytes'])} per device, step "
-            f"{float(info.get('predicted_step_seconds', 0.0)) * 1e3:.1f} ms."
+            f"Predicted when it was solved: peak {format_bytes(report.predicted_peak_bytes)} per device, step "
+            f"{report.predicted_step_seconds * 1e3:.1f} ms."
         )
     out.table(f"OSDP plan: {saved.plan.summary()}", ["module", "mode", "split"], rows, right=[2], notes=notes)
 

@@ -14,7 +14,7 @@ __all__ = ["CostModelConfig", "ResolvedConfig"]
 # FSDP2 runs of the example GPT (torch.profiler) and micro-benchmarks:
 # * FSDP2's copies around collectives (foreach copy-in, split_with_sizes copy-out, chunk_cat) cost ~0.6 ms per
 #   step for each 1 MiB unit under fully_shard on one rank (3-4 MiB copied): ~3 GB/s. (A profile's
-#   ``info["copy_bytes_per_second"]``, measured on small cache-hot buffers, is several times faster: not used.)
+#   ``copy_bytes_per_second``, measured on small cache-hot buffers, is several times faster: not used.)
 # * One FSDP2 unit costs ~0.35 ms of hooks per step on CPU, plus ~85 us per parameter tensor (views and DTensor
 #   wrappers made in every forward and backward): units of 1 or 8 Linear(8, 8) layers under fully_shard or
 #   replicate on one rank cost +0.5-0.65 ms and +1.6-1.9 ms each.
@@ -60,7 +60,7 @@ class CostModelConfig:
         tensor_overhead_seconds: cost per parameter tensor of a unit per step (FSDP2 rebuilds views and DTensor
             wrappers of every parameter and gradient).
         framework_seconds: per-step time of the training loop around the profiled step (Lightning's closure and
-            hooks, logging with ``sync_dist``). ``None``: ``profile.info["framework_seconds"]`` when measured,
+            hooks, logging with ``sync_dist``). ``None``: ``profile.framework_seconds`` when measured,
             else 12 ms on CPU, 5 ms on CUDA.
         split_overhead_seconds: extra cost per additional slice of a split Linear (a matmul call forward and
             backward, and its slice's hooks beyond ``unit_overhead_seconds``).
@@ -88,7 +88,6 @@ class CostModelConfig:
 
     def resolve(self, profile: ModelProfile) -> ResolvedConfig:
         """Fill the ``None`` fields from ``profile`` (device, optimizer type, measured figures)."""
-        info = profile.info or {}
         on_cpu = profile.device.split(":")[0].startswith("cpu")
         overlap = self.overlap
         if overlap is None:
@@ -100,9 +99,7 @@ class CostModelConfig:
         trainable = sum(m.trainable_param_bytes for m in profile.modules.values())
         # The profile's step overhead was measured with the optimizer stepping every parameter on one device; the
         # optimizer's share is modelled per unit (it shrinks with sharding), so it is taken out of the constant.
-        measured_optimizer = float(
-            getattr(profile, "optimizer_step_seconds", 0.0) or info.get("optimizer_seconds") or 0
-        )
+        measured_optimizer = float(profile.optimizer_step_seconds)
         opt_rate = self.optimizer_seconds_per_byte
         if opt_rate is None and measured_optimizer > 0 and trainable > 0:
             opt_rate = measured_optimizer / trainable
@@ -114,11 +111,9 @@ class CostModelConfig:
         constant = max(profile.step_overhead_seconds - measured_optimizer, 0.0)
         framework = self.framework_seconds
         if framework is None:
-            measured_framework = info.get("framework_seconds")
-            if measured_framework is not None:
-                framework = float(measured_framework)
-            else:
-                framework = _CPU_FRAMEWORK_SECONDS if on_cpu else _CUDA_FRAMEWORK_SECONDS
+            framework = profile.framework_seconds
+        if framework is None:
+            framework = _CPU_FRAMEWORK_SECONDS if on_cpu else _CUDA_FRAMEWORK_SECONDS
         return ResolvedConfig(
             overlap=float(overlap),
             copy_bytes_per_second=float(copy_rate),

@@ -67,8 +67,7 @@ class ModelInfo:
         self.config = config
         self.modules = profile.modules
         ran: dict[str, int] = {}
-        explicit = profile.info.get("forward_order") if profile.info else None
-        for i, name in enumerate(explicit or ()):
+        for i, name in enumerate(profile.forward_order):
             ran.setdefault(name, i)
         registration = {name: i for i, name in enumerate(profile.modules)}
         big = len(registration) + len(ran) + 1

@@ -10,14 +10,28 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_osdp.profiling.rates import DeviceRates
+
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "ModelProfile", "ModuleProfile"]
 
 PROFILE_FORMAT = "lightning_osdp.profile"
-PROFILE_VERSION = 1
+#: ``version`` field of a profile file this release writes; it reads this one and version 1 (see
+#: [Note: profile versions]).
+PROFILE_VERSION = 2
+
+# [Note: profile versions]
+# Version 1 kept the figures later stages read (the forward order, the copy bandwidth, the estimated mode's rates,
+# a measured framework time) in the free-form ``info`` object, where the cost model and ``osdp plan
+# --hardware-profile`` read them back by key. Version 2 makes them typed fields of ``ModelProfile``; ``info`` keeps
+# notes for people only. A version-1 file is read by moving those keys out of ``info`` (``_from_version_1``), so
+# profiles saved beside plans and inside checkpoints by earlier releases still load. An earlier release refuses a
+# version-2 file by its version, instead of failing on the new fields.
+_VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
 @dataclass
@@ -110,7 +124,16 @@ class ModelProfile:
             unsharded parameters (it shrinks with the parameters a rank updates).
         extra_activation_bytes: saved-for-backward bytes outside any module's forward (loss computation).
         profiling_seconds: wall time spent profiling (collectives included).
-        info: anything else (torch version, rates measured for the estimated mode...).
+        info: notes for people, read by no stage: the torch version and thread count, the measured step time and
+            its unattributed part, how long the collective benchmark took, how the optimizer state was counted.
+        forward_order: module names in the order their forward first ran (the cost model's timeline follows it;
+            empty: registration order).
+        copy_bytes_per_second: memory-copy bandwidth measured on the device (``None``: not measured). Recorded for
+            ``osdp plan --hardware-profile``; the cost model's copy rate is a constant of its own (see
+            ``lightning_osdp/cost_model/config.py``).
+        rates: the rates the estimated mode converted FLOPs and bytes into seconds with (``None`` in measured mode).
+        framework_seconds: per-step time of the training loop around the profiled step (Lightning's closure,
+            hooks, ``sync_dist`` logging), when measured; ``None``: the cost model uses its device default.
     """
 
     modules: dict[str, ModuleProfile]
@@ -127,6 +150,10 @@ class ModelProfile:
     profiling_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     optimizer_step_seconds: float = 0.0
+    forward_order: list[str] = field(default_factory=list)
+    copy_bytes_per_second: float | None = None
+    rates: DeviceRates | None = None
+    framework_seconds: float | None = None
 
     def __str__(self) -> str:
         """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""
@@ -142,20 +169,28 @@ class ModelProfile:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> ModelProfile:
-        """Parse a profile document."""
-        if data.get("format") != PROFILE_FORMAT or data.get("version") != PROFILE_VERSION:
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> ModelProfile:
+        """Parse a profile document of this version or version 1 (see [Note: profile versions])."""
+        if data.get("format") != PROFILE_FORMAT or data.get("version") not in (1, PROFILE_VERSION):
             raise ValueError(
-                f"{source}: not a lightning_osdp profile of version {PROFILE_VERSION} "
+                f"{source}: not a lightning_osdp profile of version 1 or {PROFILE_VERSION} "
                 f"(format={data.get('format')!r}, version={data.get('version')!r})"
             )
         body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        if data["version"] == 1:
+            body = _from_version_1(body)
         modules = {m["name"]: ModuleProfile(**m) for m in body.pop("modules")}
         collectives = {
             op: CollectiveFit(**{**c, "samples": [tuple(s) for s in c.get("samples", [])]})
             for op, c in body.pop("collectives", {}).items()
         }
-        return cls(modules=modules, collectives=collectives, **body)
+        rates = body.pop("rates", None)
+        return cls(
+            modules=modules,
+            collectives=collectives,
+            rates=DeviceRates(**rates) if rates is not None else None,
+            **body,
+        )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the profile as JSON (atomically)."""
@@ -181,3 +216,14 @@ class ModelProfile:
     @property
     def total_param_bytes(self) -> int:
         return sum(m.param_bytes for m in self.modules.values())
+
+
+def _from_version_1(body: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 profile's fields as version 2 has them: the typed figures moved out of ``info``."""
+    info = dict(body.get("info") or {})
+    moved = {key: info.pop(key) for key in _VERSION_1_FIELDS if key in info}
+    # The cost model read this key when ``optimizer_step_seconds`` was 0; kept, so that such a file predicts the same.
+    legacy_optimizer = info.pop("optimizer_seconds", None)
+    if not body.get("optimizer_step_seconds") and legacy_optimizer:
+        moved["optimizer_step_seconds"] = float(legacy_optimizer)
+    return {**body, **moved, "info": info}

@@ -308,7 +308,6 @@ def _estimated_timing(session: _Session, record: StepRecord, rates: DeviceRates,
         info["optimizer_time"] = "traffic estimate (its step does not run on fake tensors)"
     optimizer = rates.seconds(optimizer_ops)
     overhead = rates.seconds(record.outside.fwd_ops) + rates.seconds(record.outside.bwd_ops) + optimizer
-    info["rates"] = rates.to_dict()
     info["estimated_step_seconds"] = overhead + sum(f + b for f, b in modules.values())
     return _Timing(modules, overhead, optimizer)
 
@@ -381,11 +380,11 @@ def profile(
         batch_source: where the batch came from, recorded in ``ModelProfile.batch``.
         available_memory: bytes ``"auto"`` may count on; default what the device has available now.
         collective_time_budget: seconds the collective benchmark may take (see ``benchmark_collectives``).
-        rates: the rates estimated mode converts FLOPs and bytes into seconds with, recorded in
-            ``info["rates"]``; default benchmarked on ``device`` (``measure_device_rates``). Give another device's
+        rates: the rates estimated mode converts FLOPs and bytes into seconds with, recorded as
+            ``ModelProfile.rates``; default benchmarked on ``device`` (``measure_device_rates``). Give another device's
             to estimate a step on hardware that is not here. Measured mode times real steps and does not use them.
-        copy_bytes_per_second: the bandwidth of FSDP2's own copies, recorded in ``info["copy_bytes_per_second"]``
-            for the cost model; default benchmarked on ``device`` (``measure_copy_bandwidth``).
+        copy_bytes_per_second: the bandwidth of FSDP2's own copies, recorded as ``ModelProfile.copy_bytes_per_second``;
+            default benchmarked on ``device`` (``measure_copy_bandwidth``).
 
     Raises:
         ProfilingError: the model has no parameters, the batch does not run through it (the message names the
@@ -425,7 +424,6 @@ def profile(
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         if copy_bytes_per_second is None:
             copy_bytes_per_second = measure_copy_bandwidth(target, min(max(param_bytes, 4 << 20), 64 << 20))
-        info["copy_bytes_per_second"] = copy_bytes_per_second
         if estimated:
             fake_mode = fake_tensor_mode()
             work = stack.enter_context(fake_replica(module, target, fake_mode))
@@ -462,7 +460,6 @@ def profile(
         modules = _module_profiles(work, record, session, timing.modules)
         _, tied = account_parameters(work)
         info["optimizer_state"] = session.state.source if optimizers else "none"
-        info["forward_order"] = record.forward_order
         if record.unsized_tensors:
             # Fake tensors cannot know the size of a value-dependent result (boolean masking, nonzero).
             info["value_dependent_sizes"] = record.unsized_tensors
@@ -494,6 +491,9 @@ def profile(
         extra_activation_bytes=extra_activation,
         info=info,
         optimizer_step_seconds=timing.optimizer,
+        forward_order=record.forward_order,
+        copy_bytes_per_second=copy_bytes_per_second,
+        rates=rates if estimated else None,
     )
     result.profiling_seconds = time.perf_counter() - start
     return _from_rank_zero(result, group)

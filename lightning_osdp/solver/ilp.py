@@ -85,6 +85,7 @@ from lightning_osdp.cost_model.timeline import (
 )
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solve_report import PredictionSummary, SolveReport
 from lightning_osdp.solver.candidates import Candidates, SegmentOption, planning_units, segment_options
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
 
@@ -814,10 +815,11 @@ def solve(
         config: cost-model constants.
 
     Returns:
-        a :class:`~lightning_osdp.plan.Plan`; ``plan.info`` holds ``status`` (``"optimal"``, ``"within gap X"``
-        or ``"time limit"``, with the gap the lower bound proves when a plan is in hand), ``bound`` (what proves
-        it: ``"LP relaxation"``, ``"count relaxation"``, ``"branch and bound"`` or ``"exact check"``), the
-        predicted peak and step time, the budget and the world size.
+        a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds
+        ``status`` (``"optimal"``, ``"within gap X"`` or ``"time limit"``, with the gap the lower bound proves when
+        a plan is in hand), ``bound`` (what proves it: ``"LP relaxation"``, ``"count relaxation"``, ``"branch and
+        bound"`` or ``"exact check"``), the predicted peak and step time, the budget and the world size;
+        ``plan.info`` holds the same figures under their historical names.
 
     Raises:
         InfeasibleBudgetError: no plan fits; its message states the smallest budget any plan meets and the
@@ -847,27 +849,23 @@ def solve(
     plan = problem.plan(chosen)
     prediction = problem.predict(plan)
     ilp_peak, ilp_seconds = _ilp_figures(be, chosen)
-    plan.info = {
-        "source": "lightning_osdp.solver",
-        "status": result.status,
-        "bound": result.bound,
-        "gap": gap,
-        "budget_bytes": budget,
-        "world_size": ws,
-        "predicted_peak_bytes": prediction.peak_bytes,
-        "predicted_step_seconds": prediction.step_seconds,
-        "predicted_peak_at": prediction.peak_at,
-        "ilp_peak_bytes": ilp_peak,
-        "ilp_step_seconds": ilp_seconds,
-        "planning_units": problem.candidates.count,
-        "options": problem.option_count,
-        "modes": list(problem.modes),
-        "splits": list(problem.splits),
-        "solve_seconds": time.perf_counter() - started,
-        "cbc_seconds": result.seconds,
-        "prediction": prediction.to_dict(),
-    }
-    return plan
+    report = SolveReport(
+        status=result.status,
+        bound=result.bound,
+        gap=gap,
+        budget_bytes=budget,
+        world_size=ws,
+        prediction=PredictionSummary.from_dict(prediction.to_dict()),
+        ilp_peak_bytes=ilp_peak,
+        ilp_step_seconds=ilp_seconds,
+        planning_units=problem.candidates.count,
+        options=problem.option_count,
+        modes=tuple(problem.modes),
+        splits=tuple(problem.splits),
+        solve_seconds=time.perf_counter() - started,
+        cbc_seconds=result.seconds,
+    )
+    return Plan(plan.decisions, info={"source": "lightning_osdp.solver"}, report=report)
 
 
 def _all_no_shard(problem: PlanningProblem, be: LinearBackend) -> dict[Hashable, Hashable] | None:

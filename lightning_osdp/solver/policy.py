@@ -13,6 +13,7 @@ reported in the user's terms, as the smallest ``memory_budget`` that passes with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
@@ -64,7 +65,7 @@ def plan_model(
         modes, max_split, time_limit, gap, units, config: as for :func:`~lightning_osdp.solver.solve`.
 
     Returns:
-        the plan; ``plan.info`` also records ``memory_budget_bytes`` (the budget given) and ``memory_headroom``.
+        the plan; its ``report`` also records ``memory_budget_bytes`` (the budget given) and ``memory_headroom``.
 
     Raises:
         InfeasibleBudgetError: no plan fits; ``minimum`` is the smallest ``memory_budget`` that passes with this
@@ -94,9 +95,9 @@ def plan_model(
                 f"{needed} bytes.)"
             )
         raise InfeasibleBudgetError(message, budget=budget, minimum=needed, consumers=err.consumers) from None
-    plan.info["memory_budget_bytes"] = budget
-    plan.info["memory_headroom"] = headroom
-    return plan
+    assert plan.report is not None  # solve() always reports
+    report = dataclasses.replace(plan.report, memory_budget_bytes=budget, memory_headroom=headroom)
+    return Plan(plan.decisions, info=plan.info, report=report)
 
 
 def smallest_memory_budget(

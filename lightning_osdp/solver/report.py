@@ -23,9 +23,9 @@ def format_plan(
     """Render ``plan`` with its ``prediction`` as a table (one row per unit, the slices of a split together).
 
     Args:
-        plan: the plan (its ``info`` supplies the solver's status and budget when present).
+        plan: the plan (its ``report`` supplies the solver's status and budget when present).
         prediction: :func:`~lightning_osdp.cost_model.predict` of the plan.
-        budget: per-device budget in bytes (default: the budget the plan was made for, ``plan.info``).
+        budget: per-device budget in bytes (default: ``plan.report.requested_budget_bytes``).
         rich_markup: render with rich's box drawing; ``None``: when stdout is a terminal (plain text when piped
             or logged).
         width: table width for rich.
@@ -34,8 +34,8 @@ def format_plan(
     (parameters, gradients, optimizer state), the bytes while gathered, its communication and what it adds to
     the step (exposed communication, copies, optimizer, overhead), in milliseconds.
     """
-    if budget is None:  # the budget the user gave (plan_model), else the one the ILP was given (solve)
-        budget = plan.info.get("memory_budget_bytes", plan.info.get("budget_bytes"))
+    if budget is None and plan.report is not None:
+        budget = plan.report.requested_budget_bytes
     use_rich = sys.stdout.isatty() if rich_markup is None else rich_markup
     headers = ["module", "params", "mode", "split", "kept", "gathered", "comm ms", "added ms"]
     rows = []
@@ -65,7 +65,7 @@ def format_plan(
     fit = ""
     if budget:
         fit = f" of budget {format_bytes(budget)} ({100 * prediction.peak_bytes / budget:.0f}%)"
-    status = plan.info.get("status")
+    status = plan.report.status if plan.report is not None else None
     footer = [
         f"predicted peak {format_bytes(prediction.peak_bytes)}{fit} per device at {prediction.peak_at!r}",
         "  "

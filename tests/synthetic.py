@@ -1,7 +1,8 @@
-"""Hand-made profiles of GPT-shaped models: for tests, benchmarks of the solver, and examples without a model.
+"""Hand-made profiles of GPT-shaped models, for the solver's and the cost model's tests and
+``benchmarks/solver_speed.py`` (which imports it from here): profiles of any size without a model to run.
 
 The figures are derived from shapes (fp32, AdamW) and simple rates, not measured; a real profile comes from
-``lightning_osdp.profiling``.
+``lightning_osdp.profiling``. Not part of the package: nothing in it plans from a made-up profile.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def gpt_profile(
         batch={"description": f"synthetic, {tokens} tokens per rank"},
         step_overhead_seconds=0.0,
         extra_activation_bytes=tokens * vocab * f,
-        info={"source": "lightning_osdp.cost_model.synthetic.gpt_profile"},
+        info={"source": "tests/synthetic.py:gpt_profile"},
     )
 
 
