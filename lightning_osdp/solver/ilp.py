@@ -33,7 +33,8 @@ feasibility pump alone takes longer than the whole LP-and-round path.
 Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_tighten_by_counts``,
 ``_search_neighbourhood``, ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces
 the one held only if it fits and is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the
-incumbent says when the plan held is within the gap (the solve then stops) and what proves it.
+incumbent says when the plan held is within the gap (the solve then stops) and what proves it. Every CBC run of
+one solve writes its files in one directory (``cbc.py``'s [Note: CBC's files and processes]).
 
 [Note: identical segments]
 A Transformer's blocks are identical segments: same options, same costs. The step time depends only on how many
@@ -57,7 +58,6 @@ import dataclasses
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -98,6 +98,7 @@ from lightning_osdp.solver.candidates import (
     planning_units,
     segment_options,
 )
+from lightning_osdp.solver.cbc import cbc_command, cbc_workspace
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
 
 __all__ = ["InfeasibleBudgetError", "PlanningProblem", "SolverError", "minimum_budget", "solve"]
@@ -228,12 +229,13 @@ class Incumbent:
 
 @dataclass
 class _Formulation:
-    """The ILP in pulp (see :meth:`PlanningProblem._formulate`) and the pieces it was built from."""
+    """The ILP in pulp (see :meth:`PlanningProblem._formulate`), with the directory its CBC runs write to."""
 
     prob: pulp.LpProblem
     xs: list[pulp.LpVariable]
     counts: dict[tuple[int, Hashable], pulp.LpVariable]
     be: LinearBackend
+    workdir: str
 
 
 def _relative_gap(value: float, lower: float) -> float:
@@ -466,26 +468,27 @@ class PlanningProblem:
         if formulated is None:
             return None, SolveResult("infeasible", None, 0.0, math.nan)
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started)
-        f = _Formulation(*formulated, be=be)
-        status = self._relax(f, incumbent, time_limit)
-        if status == pulp.LpStatusInfeasible:
-            return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
-        if status == pulp.LpStatusOptimal and incumbent.lower is not None:
-            fractional = self._round_relaxation(f, incumbent)
-            if incumbent.within_gap():
-                return incumbent.result()
-            self._tighten_by_counts(f, incumbent, time_limit / 4)
-            if incumbent.within_gap():
-                return incumbent.result()
-            self._search_neighbourhood(f, incumbent, fractional, time_limit / 4)
-            if incumbent.within_gap():
-                return incumbent.result()
-        return self._branch_and_bound(f, incumbent, time_limit)
+        with cbc_workspace() as workdir:
+            f = _Formulation(*formulated, be=be, workdir=workdir)
+            status = self._relax(f, incumbent, time_limit)
+            if status == pulp.LpStatusInfeasible:
+                return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
+            if status == pulp.LpStatusOptimal and incumbent.lower is not None:
+                fractional = self._round_relaxation(f, incumbent)
+                if incumbent.within_gap():
+                    return incumbent.result()
+                self._tighten_by_counts(f, incumbent, time_limit / 4)
+                if incumbent.within_gap():
+                    return incumbent.result()
+                self._search_neighbourhood(f, incumbent, fractional, time_limit / 4)
+                if incumbent.within_gap():
+                    return incumbent.result()
+            return self._branch_and_bound(f, incumbent, time_limit)
 
     def _relax(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> int:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
         solution has very few fractional choices). Returns pulp's status."""
-        f.prob.solve(pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=time_limit))
+        f.prob.solve(cbc_command(f.workdir, msg=False, mip=False, timeLimit=time_limit))
         if f.prob.status == pulp.LpStatusInfeasible:
             return f.prob.status
         lower = pulp.value(f.prob.objective)
@@ -522,14 +525,16 @@ class PlanningProblem:
         (see [Note: identical segments]); its solution is offered when whole, and its counts placed otherwise."""
         if not self.classes:
             return
-        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit)
+        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit, workdir=f.workdir)
         if counted is None:
             return
         bound, found, whole = counted
         incumbent.raise_bound(bound, "count relaxation")
         incumbent.offer(whole)
         if not incumbent.within_gap():
-            placed = self._with_counts(f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit)
+            placed = self._with_counts(
+                f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit, workdir=f.workdir
+            )
             incumbent.offer(placed)
 
     def _search_neighbourhood(
@@ -544,7 +549,9 @@ class PlanningProblem:
         if incumbent.chosen is None or len(f.be.options) <= _NEIGHBOURHOOD:
             return
         start = incumbent.chosen
-        incumbent.offer(self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit))
+        incumbent.offer(
+            self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit, workdir=f.workdir)
+        )
 
     def _branch_and_bound(
         self, f: _Formulation, incumbent: Incumbent, time_limit: float
@@ -561,7 +568,7 @@ class PlanningProblem:
         cutoff = None if incumbent.chosen is None else incumbent.value * (1 - gap) - constant
         try:
             chosen, result = _run_cbc(
-                f.prob, f.be, f.xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff
+                f.prob, f.be, f.xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff, workdir=f.workdir
             )
         except SolverError:
             if incumbent.chosen is None or lower is None:
@@ -587,6 +594,8 @@ class PlanningProblem:
         counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
         gap: float,
         time_limit: float,
+        *,
+        workdir: str | None = None,
     ) -> tuple[float, dict[tuple[int, Hashable], int], dict[Hashable, Hashable] | None] | None:
         """The lower bound of the count relaxation (see [Note: identical segments]), its integer counts per
         (class, option), and its solution as a plan when every choice in it came out whole (then it is a plan of
@@ -603,6 +612,7 @@ class PlanningProblem:
                 absolute_gap=None,
                 time_limit=max(time_limit, 1.0),
                 options=_LIGHT,
+                workdir=workdir,
             )
         except SolverError:
             return None
@@ -632,6 +642,8 @@ class PlanningProblem:
         values: Mapping[tuple[int, Hashable], int],
         gap: float,
         time_limit: float,
+        *,
+        workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound with each class of identical segments held to the counts ``values``: where the count
         relaxation's segments go (its time is fixed, only the peak is left to satisfy)."""
@@ -646,6 +658,7 @@ class PlanningProblem:
                 absolute_gap=None,
                 time_limit=max(time_limit, 1.0),
                 options=_LIGHT,
+                workdir=workdir,
             )
         except SolverError:
             chosen = None
@@ -663,6 +676,8 @@ class PlanningProblem:
         fractional: Mapping[Hashable, Sequence[Hashable]],
         gap: float,
         time_limit: float,
+        *,
+        workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound over the fractional choices, the global units and a spread of other segments (every
         other choice fixed to ``start``): finds the swaps rounding misses (one block to full_shard so that
@@ -682,7 +697,9 @@ class PlanningProblem:
                 x.lowBound = x.upBound = value
                 fixed.append(x)
         try:
-            chosen, _ = _run_cbc(prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0))
+            chosen, _ = _run_cbc(
+                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), workdir=workdir
+            )
         except SolverError:
             chosen = None
         finally:
@@ -827,19 +844,21 @@ def _run_cbc(
     time_limit: float,
     cutoff: float | None = None,
     options: Sequence[str] = (),
+    workdir: str | None = None,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound; with ``cutoff`` (objective without its constant) only better plans are searched.
+    """Branch and bound; with ``cutoff`` (objective without its constant) only better plans are searched. Its
+    files are written to ``workdir`` (a :func:`~lightning_osdp.solver.cbc.cbc_workspace`; its own by default).
 
     NOTE: CBC 2.10.3 (pulp's bundled one) mishandles MIP starts on this model: given a feasible start it can
     report the problem "proven infeasible" while better plans exist, and pulp then reads the status as optimal and
     returns the values of an infeasible LP. So no start is passed (the caller keeps its own plan and checks CBC's
     against the budget and its own); a cutoff says the same thing without the start's values.
     """
-    with tempfile.TemporaryDirectory(prefix="osdp_cbc_") as tmp:
+    with cbc_workspace(workdir) as tmp:
         log = os.path.join(tmp, "cbc.log")
         args = [*options, *([f"cutoff {cutoff!r}"] if cutoff is not None else [])]
-        solver = pulp.PULP_CBC_CMD(
-            msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=args
+        solver = cbc_command(
+            tmp, msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=args
         )
         started = time.perf_counter()
         prob.solve(solver)
