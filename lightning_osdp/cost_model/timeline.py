@@ -230,7 +230,8 @@ class SegmentSimulator:
             self.all_gather_output, self.all_gather_owner = ZERO, None
 
     def pre_backward(self, i: int) -> None:
-        """``unshard`` of unit ``i`` (a no-op for the gathered part when prefetched), then ``_backward_prefetch``."""
+        """``unshard`` of unit ``i`` (when prefetched, its all-gather was issued already: only the copy-out is
+        left), then ``_backward_prefetch``."""
         u = self.bytes[i]
         if not u.sharded:
             return
@@ -308,23 +309,6 @@ class SegmentSimulator:
         if node.unit is not None:
             self.post_forward(node.unit)
 
-    def backward(self, node: Node, ddp: bool) -> None:
-        """``node``'s backward: its unit's pre-backward, its children in reverse, its gradients, post-backward.
-        ``ddp``: the parameters are DDP's, whose hook copies each gradient into its bucket and drops it."""
-        if node.unit is not None:
-            ddp = not self.bytes[node.unit].sharded
-            self.pre_backward(node.unit)
-        for child in reversed(node.children):
-            self.backward(child, ddp)
-        self.level += _grads(node.grad)
-        transient = node.out + (node.inp if not node.children else 0)
-        self._backward_instant(self.level + _acts(transient))
-        if ddp:
-            self.level -= _grads(node.grad)
-        self.level -= _acts(node.act)
-        if node.unit is not None and not self.units[node.unit].deferred:
-            self.post_backward(node.unit)
-
     def start_backward(self) -> MemoryParts:
         """Restart the level for the backward; returns what this segment's last unit leaves for the next segment to
         prefetch (its all-gather output, when ``full_shard``)."""
@@ -341,6 +325,23 @@ class SegmentSimulator:
             self.prefetched.add(last)
             return _comm(self.bytes[last].flat)
         return ZERO
+
+    def backward(self, node: Node, ddp: bool) -> None:
+        """``node``'s backward: its unit's pre-backward, its children in reverse, its gradients, post-backward.
+        ``ddp``: the parameters are DDP's, whose hook copies each gradient into its bucket and drops it."""
+        if node.unit is not None:
+            ddp = not self.bytes[node.unit].sharded
+            self.pre_backward(node.unit)
+        for child in reversed(node.children):
+            self.backward(child, ddp)
+        self.level += _grads(node.grad)
+        transient = node.out + (node.inp if not node.children else 0)
+        self._backward_instant(self.level + _acts(transient))
+        if ddp:
+            self.level -= _grads(node.grad)
+        self.level -= _acts(node.act)
+        if node.unit is not None and not self.units[node.unit].deferred:
+            self.post_backward(node.unit)
 
     def _deferred(self) -> list[int]:
         units = self.units
