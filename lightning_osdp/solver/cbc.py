@@ -43,7 +43,7 @@ from typing import Any
 
 import pulp
 
-__all__ = ["PREFIX", "cbc_command", "cbc_processes", "cbc_workspace", "sweep_abandoned"]
+__all__ = ["PREFIX", "cbc_command", "cbc_workspace", "sweep_abandoned"]
 
 #: Every solve's directory starts with this, under :func:`tempfile.gettempdir`.
 PREFIX = "osdp_cbc_"
@@ -129,7 +129,7 @@ def _machine() -> str:
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:8]
 
 
-def cbc_processes(directory: str) -> list[int]:
+def _cbc_processes(directory: str) -> list[int]:
     """Live processes whose command line names a file in ``directory`` (CBC's model and solution files); empty
     where there is no ``/proc``."""
     prefix = os.path.join(directory, "").encode()
@@ -153,7 +153,7 @@ def cbc_processes(directory: str) -> list[int]:
 
 def _stop_children(directory: str) -> None:
     """Kill and reap the CBC child of this process still running on ``directory`` (an interrupted solve)."""
-    for pid in cbc_processes(directory):
+    for pid in _cbc_processes(directory):
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
@@ -200,7 +200,7 @@ def sweep_abandoned() -> list[str]:
             owner = entry.name[len(mine) :].split("_", 1)[0]
             if not owner.isdigit() or _alive(int(owner)) or not entry.is_dir(follow_symlinks=False):
                 continue
-            orphans = cbc_processes(entry.path)
+            orphans = _cbc_processes(entry.path)
             for pid in orphans:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
