@@ -20,10 +20,10 @@ one sharded unit: a constant; the root and tied groups likewise): conservative b
 Transformer blocks sharded whole. A plan that shards nothing has no FSDP2 buffer at all (``any_sharded``).
 
 Within a segment every event depends on that segment's option only, so each segment is simulated once per
-option (:func:`simulate_segment`) and summarised by its largest checkpoint in each *class*: which of the
-buffers owned by *another* segment are alive at that instant (the all-gather output still pending from the
-previous unit in forward; in backward, the reduce-scatter input pending from the later unit, and the
-all-gather output this segment prefetches for the earlier one). A class an option never enters gets a value
+option (:class:`SegmentSimulator`, one method per FSDP2 event) and summarised by its largest checkpoint in each
+*class*: which of the buffers owned by *another* segment are alive at that instant (the all-gather output still
+pending from the previous unit in forward; in backward, the reduce-scatter input pending from the later unit, and
+the all-gather output this segment prefetches for the earlier one). A class an option never enters gets a value
 that makes its constraint implied by the segment's first instant (a real state), so it never binds.
 """
 
@@ -42,6 +42,7 @@ __all__ = [
     "GlobalChoice",
     "SegmentChoice",
     "SegmentCosts",
+    "SegmentSimulator",
     "build_timeline",
     "simulate_free",
     "simulate_segment",
@@ -132,206 +133,264 @@ def _order_by_post_forward(node: Node, out: list[int]) -> None:
         out.append(node.unit)
 
 
-def simulate_segment(
-    segment: Segment, optimizer_temporaries: float, *, release_after_forward: bool = False
-) -> SegmentCosts:
-    """Simulate one segment's forward, backward and deferred reductions, event by event (FSDP2's order).
-    ``release_after_forward``: a sharded unit's all-gather buffer is freed when its forward ends (CPU, see
-    ``lightning_osdp/comm.py``), not kept for the next unit's gather."""
-    units = segment.units
-    b = [u.bytes for u in units]
+class SegmentSimulator:
+    """One segment under one option through one training step, event by event, in FSDP2's order.
 
-    # ------------------------------------------------------------------ forward
-    cur = ZERO
-    pending_alive = True  # the previous unit's all-gather output (another segment's)
-    own_pending = ZERO
-    pending_owner: int | None = None
-    peak_pending: MemoryParts | None = ZERO  # the segment's first instant is a real state of this class
-    peak_after: MemoryParts | None = None
-    frees = False
+    Read it beside torch's ``FSDPParamGroup`` (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``): one
+    method per event of a unit's life, called where FSDP2's hooks fire as :meth:`forward` and :meth:`backward`
+    walk the segment's modules.
 
-    def fwd_checkpoint(value: MemoryParts) -> None:
-        nonlocal peak_pending, peak_after
-        if pending_alive:
-            peak_pending = _max(peak_pending, value)
-        else:
-            peak_after = _max(peak_after, value)
+    - :meth:`pre_forward`: ``unshard`` (all-gather into its output buffer), ``wait_for_unshard`` (copy out into
+      the unsharded parameters, free the output kept for the previous unit);
+    - :meth:`post_forward`: ``reshard`` (``full_shard`` only; on CPU the all-gather output is freed too);
+    - :meth:`pre_backward`: ``unshard`` unless prefetched, then ``_backward_prefetch`` of the unit that finished
+      its forward before this one;
+    - :meth:`post_backward`: ``reshard``, then the reduce-scatter (its input kept until the next reduction);
+    - :meth:`final_callback`: the post-backwards FSDP2 runs in the root's final callback
+      (``FSDPState._root_post_backward_final_callback``) for units whose input needs no gradient (see
+      ``LocalUnit.deferred``), whose autograd hook therefore never fired.
 
-    def pre_forward(i: int) -> None:
-        nonlocal cur, pending_alive, own_pending, frees, pending_owner
-        u = b[i]
+    ``no_shard`` units are DDP's: no FSDP2 event of theirs runs (each method returns at once), and DDP's gradient
+    hook is modelled where the gradient is produced (:meth:`backward`). Each pass (forward, backward, final
+    callback) counts ``level`` from zero, relative to the running level the timeline adds it to (see
+    :class:`SegmentCosts`), and records every instant in its *class*: which buffers owned by another segment are
+    alive then (see [Note: pending buffers across DDP segments]). One simulator runs once (:meth:`run`).
+
+    Args:
+        segment: the segment's module tree and its units under the option.
+        release_after_forward: a sharded unit's all-gather buffer is freed when its forward ends (CPU, see
+            ``lightning_osdp/comm.py``), not kept for the next unit's gather.
+    """
+
+    def __init__(self, segment: Segment, *, release_after_forward: bool = False) -> None:
+        self.segment = segment
+        self.units = segment.units
+        self.bytes = [u.bytes for u in segment.units]
+        self.release_after_forward = release_after_forward
+        self.level = ZERO
+        # Forward: the all-gather output the previous unit (another segment's) left pending is alive until this
+        # segment's first gather; then this segment's own, owned by the unit that gathered last.
+        self.previous_output_alive = True
+        self.all_gather_output = ZERO
+        self.all_gather_owner: int | None = None
+        self.frees_previous_output = False
+        #: largest forward instant while the previous output is alive (the segment's first instant is a real
+        #: state of this class) and after it is freed
+        self.fwd_peaks: dict[bool, MemoryParts | None] = {True: ZERO, False: None}
+        # Backward: the reduce-scatter input a later segment left pending is alive until this segment's first
+        # reduction; the all-gather output prefetched for the earlier segment is alive from the first unit's
+        # pre-backward.
+        self.later_reduce_input_alive = True
+        self.earlier_prefetch_alive = False
+        self.reduce_scatter_input = ZERO
+        self.reduced = False
+        self.bwd_peaks: dict[tuple[bool, bool], MemoryParts | None] = {c: None for c in BWD_CLASSES}
+        self.bwd_peaks[(True, False)] = ZERO
+        #: FSDP2's ``post_forward_order`` within the segment (sharded units only: DDP's are not FSDP2's)
+        self.post_forward_order: list[int] = []
+        #: units whose all-gather output has been issued by a prefetch and not yet consumed
+        self.prefetched: set[int] = set()
+
+    # ------------------------------------------------------------------ instants
+    def _forward_instant(self, value: MemoryParts) -> None:
+        key = self.previous_output_alive
+        self.fwd_peaks[key] = _max(self.fwd_peaks[key], value)
+
+    def _backward_instant(self, value: MemoryParts) -> None:
+        key = (self.later_reduce_input_alive, self.earlier_prefetch_alive)
+        self.bwd_peaks[key] = _max(self.bwd_peaks[key], value)
+
+    # ------------------------------------------------------------------ FSDP2 events
+    def pre_forward(self, i: int) -> None:
+        """``unshard`` and ``wait_for_unshard`` of unit ``i``."""
+        u = self.bytes[i]
         if not u.sharded:
             return  # DDP's parameters: no FSDP2 hook runs, the pending all-gather output stays
-        cur += _comm(u.flat)
-        fwd_checkpoint(cur)
+        self.level += _comm(u.flat)
+        self._forward_instant(self.level)
         # Every gather frees the output kept for the previous one (FSDP2's AllGatherState); the root's
         # post-forward frees the last one, after the loss.
-        if pending_alive:
-            pending_alive = False
-            frees = True
+        if self.previous_output_alive:
+            self.previous_output_alive = False
+            self.frees_previous_output = True
         else:
-            cur -= own_pending
-        cur += _gathered(u.gathered)
-        fwd_checkpoint(cur)
-        own_pending, pending_owner = _comm(u.flat), i
+            self.level -= self.all_gather_output
+        self.level += _gathered(u.gathered)
+        self._forward_instant(self.level)
+        self.all_gather_output, self.all_gather_owner = _comm(u.flat), i
 
-    def release(i: int) -> None:
-        # The unit's own buffer, if a nested unit's gather has not freed it already.
-        nonlocal cur, own_pending, pending_owner
-        if pending_owner == i:
-            cur -= own_pending
-            own_pending, pending_owner = ZERO, None
+    def post_forward(self, i: int) -> None:
+        """``reshard`` of unit ``i`` (``full_shard`` only), and on CPU the release of its all-gather output."""
+        u = self.bytes[i]
+        if u.mode == "full_shard":
+            self.level -= _gathered(u.gathered)
+        if u.sharded and self.release_after_forward and self.all_gather_owner == i:
+            # The unit's own buffer, if a nested unit's gather has not freed it already.
+            self.level -= self.all_gather_output
+            self.all_gather_output, self.all_gather_owner = ZERO, None
 
-    def forward(node: Node) -> None:
-        nonlocal cur
-        if node.unit is not None:
-            pre_forward(node.unit)
-        cur += _acts(node.act)
-        for child in node.children:
-            forward(child)
-        fwd_checkpoint(cur + _acts(node.out))
-        if node.unit is not None and b[node.unit].mode == "full_shard":
-            cur -= _gathered(b[node.unit].gathered)
-        if node.unit is not None and b[node.unit].sharded and release_after_forward:
-            release(node.unit)
-
-    forward(segment.root)
-    fwd_net = cur - own_pending
-    post_order: list[int] = []
-    _order_by_post_forward(segment.root, post_order)
-    # FSDP2 prefetches in backward the FSDP2 unit that finished its forward before the current one: DDP's units
-    # (no_shard) are not among them.
-    post_order = [i for i in post_order if b[i].sharded]
-
-    # ------------------------------------------------------------------ backward
-    # Relative to the level at the segment's start, which holds this segment's activations, the parameters its
-    # no_shard/shard_grad_op units kept gathered, and its last unit's all-gather output (prefetched by the next).
-    cur = ZERO
-    reduce_alive = True
-    prefetch_alive = False
-    own_reduce = ZERO
-    bwd: dict[tuple[bool, bool], MemoryParts | None] = {c: None for c in BWD_CLASSES}
-    bwd[(True, False)] = ZERO
-    reduced = False
-    prefetched: set[int] = set()
-    last = post_order[-1] if post_order else None
-    self_prefetched = ZERO
-    if last is not None and b[last].mode == "full_shard":
-        prefetched.add(last)
-        self_prefetched = _comm(b[last].flat)
-
-    def bwd_checkpoint(value: MemoryParts) -> None:
-        key = (reduce_alive, prefetch_alive)
-        bwd[key] = _max(bwd[key], value)
-
-    def pre_backward(i: int) -> None:
-        nonlocal cur, prefetch_alive
-        u = b[i]
+    def pre_backward(self, i: int) -> None:
+        """``unshard`` of unit ``i`` (when prefetched, its all-gather was issued already: only the copy-out is
+        left), then ``_backward_prefetch``."""
+        u = self.bytes[i]
         if not u.sharded:
             return
         if u.mode == "full_shard":
-            if i in prefetched:
-                prefetched.discard(i)
-                cur += _gathered(u.gathered)
-                bwd_checkpoint(cur)
+            if i in self.prefetched:
+                self.prefetched.discard(i)
+                self.level += _gathered(u.gathered)
             else:
-                cur += _comm(u.flat) + _gathered(u.gathered)
-                bwd_checkpoint(cur)
-            cur -= _comm(u.flat)
+                self.level += _comm(u.flat) + _gathered(u.gathered)
+            self._backward_instant(self.level)
+            self.level -= _comm(u.flat)
         # Implicit backward prefetch: the unit that finished its forward just before this one.
-        k = post_order.index(i)
+        k = self.post_forward_order.index(i)
         if k == 0:
-            prefetch_alive = True
-            bwd_checkpoint(cur)
-        else:
-            target = post_order[k - 1]
-            if b[target].mode == "full_shard" and target not in prefetched:
-                prefetched.add(target)
-                cur += _comm(b[target].flat)
-                bwd_checkpoint(cur)
+            self.earlier_prefetch_alive = True  # the earlier segment's last unit (the timeline's cross term)
+            self._backward_instant(self.level)
+            return
+        target = self.post_forward_order[k - 1]
+        if self.bytes[target].mode == "full_shard" and target not in self.prefetched:
+            self.prefetched.add(target)
+            self.level += _comm(self.bytes[target].flat)
+            self._backward_instant(self.level)
 
-    def post_backward(i: int) -> None:
-        nonlocal cur, reduce_alive, own_reduce, reduced
-        u = b[i]
+    def post_backward(self, i: int) -> None:
+        """``reshard`` of unit ``i``, then its reduce-scatter (freeing the previous reduction's input)."""
+        u = self.bytes[i]
         if not u.sharded:
             return  # DDP copied each gradient into its bucket as it was produced (see `backward`)
-        cur -= _gathered(u.gathered)
-        if reduce_alive:
-            reduce_alive = False
-            reduced = True
+        self.level -= _gathered(u.gathered)
+        if self.later_reduce_input_alive:
+            self.later_reduce_input_alive = False
+            self.reduced = True
         else:
-            cur -= own_reduce
+            self.level -= self.reduce_scatter_input
         if u.trainable:
-            cur += _comm(u.reduce_input)
-            bwd_checkpoint(cur)
-            cur += _grads(u.grad - u.grad_full)
-            bwd_checkpoint(cur)
-            own_reduce = _comm(u.reduce_input)
+            self.level += _comm(u.reduce_input)
+            self._backward_instant(self.level)
+            self.level += _grads(u.grad - u.grad_full)
+            self._backward_instant(self.level)
+            self.reduce_scatter_input = _comm(u.reduce_input)
         else:
-            own_reduce = ZERO
+            self.reduce_scatter_input = ZERO
 
-    def backward(node: Node, ddp: bool) -> None:
-        nonlocal cur
+    def final_callback(self) -> tuple[MemoryParts | None, MemoryParts, MemoryParts]:
+        """The post-backwards deferred to the root's final callback (reshard, reduce-scatter), one after another
+        by module name: their largest instant, the level change and the reduce-scatter input left, counted from
+        zero."""
+        self.level = ZERO
+        peak: MemoryParts | None = None
+        reduce_input = ZERO
+        for n, i in enumerate([i for i in self._deferred() if self.bytes[i].sharded]):
+            u = self.bytes[i]
+            self.level -= _gathered(u.gathered)
+            if n:
+                self.level -= reduce_input
+            if u.trainable:
+                self.level += _comm(u.reduce_input)
+                peak = _max(peak, self.level)
+                self.level += _grads(u.grad - u.grad_full)
+                peak = _max(peak, self.level)
+                reduce_input = _comm(u.reduce_input)
+            else:
+                reduce_input = ZERO
+        return peak, self.level - reduce_input, reduce_input
+
+    # ------------------------------------------------------------------ the passes
+    def forward(self, node: Node) -> None:
+        """``node``'s forward: its unit's pre-forward, its activations, its children, its output, post-forward."""
         if node.unit is not None:
-            ddp = not b[node.unit].sharded
-            pre_backward(node.unit)
+            self.pre_forward(node.unit)
+        self.level += _acts(node.act)
+        for child in node.children:
+            self.forward(child)
+        self._forward_instant(self.level + _acts(node.out))
+        if node.unit is not None:
+            self.post_forward(node.unit)
+
+    def start_backward(self) -> MemoryParts:
+        """Restart the level for the backward; returns what this segment's last unit leaves for the next segment to
+        prefetch (its all-gather output, when ``full_shard``)."""
+        order: list[int] = []
+        _order_by_post_forward(self.segment.root, order)
+        # FSDP2 prefetches in backward the FSDP2 unit that finished its forward before the current one: DDP's units
+        # (no_shard) are not among them.
+        self.post_forward_order = [i for i in order if self.bytes[i].sharded]
+        # Relative to the level at the segment's start, which holds this segment's activations, the parameters its
+        # no_shard/shard_grad_op units kept gathered, and its last unit's all-gather output (prefetched by the next).
+        self.level = ZERO
+        last = self.post_forward_order[-1] if self.post_forward_order else None
+        if last is not None and self.bytes[last].mode == "full_shard":
+            self.prefetched.add(last)
+            return _comm(self.bytes[last].flat)
+        return ZERO
+
+    def backward(self, node: Node, ddp: bool) -> None:
+        """``node``'s backward: its unit's pre-backward, its children in reverse, its gradients, post-backward.
+        ``ddp``: the parameters are DDP's, whose hook copies each gradient into its bucket and drops it."""
+        if node.unit is not None:
+            ddp = not self.bytes[node.unit].sharded
+            self.pre_backward(node.unit)
         for child in reversed(node.children):
-            backward(child, ddp)
-        cur += _grads(node.grad)
+            self.backward(child, ddp)
+        self.level += _grads(node.grad)
         transient = node.out + (node.inp if not node.children else 0)
-        bwd_checkpoint(cur + _acts(transient))
+        self._backward_instant(self.level + _acts(transient))
         if ddp:
-            cur -= _grads(node.grad)  # DDP's hook copies each gradient into its bucket and drops it
-        cur -= _acts(node.act)
-        if node.unit is not None and not units[node.unit].deferred:
-            post_backward(node.unit)
+            self.level -= _grads(node.grad)
+        self.level -= _acts(node.act)
+        if node.unit is not None and not self.units[node.unit].deferred:
+            self.post_backward(node.unit)
 
-    backward(segment.root, False)
-    bwd_net = cur - own_reduce
-    reduce_out = own_reduce if reduced else ZERO
+    def _deferred(self) -> list[int]:
+        units = self.units
+        return [i for i in sorted(range(len(units)), key=lambda j: units[j].names) if units[i].deferred]
 
-    # ------------------------------------------------------------------ deferred reductions (final callback)
-    cur = ZERO
-    final_peak: MemoryParts | None = None
-    final_reduce = ZERO
-    deferred = [i for i in sorted(range(len(units)), key=lambda j: units[j].names) if units[i].deferred]
-    for n, i in enumerate([i for i in deferred if b[i].sharded]):
-        u = b[i]
-        cur -= _gathered(u.gathered)
-        if n:
-            cur -= final_reduce
-        if u.trainable:
-            cur += _comm(u.reduce_input)
-            final_peak = _max(final_peak, cur)
-            cur += _grads(u.grad - u.grad_full)
-            final_peak = _max(final_peak, cur)
-            final_reduce = _comm(u.reduce_input)
-        else:
-            final_reduce = ZERO
-    final_net = cur - final_reduce
+    def run(self, optimizer_temporaries: float) -> SegmentCosts:
+        """The whole step: forward, backward, final callback; the segment's figures under its option."""
+        self.forward(self.segment.root)
+        fwd_net = self.level - self.all_gather_output
+        pending = self.all_gather_output
+        prefetched = self.start_backward()
+        self.backward(self.segment.root, False)
+        bwd_net = self.level - self.reduce_scatter_input
+        reduce_input = self.reduce_scatter_input if self.reduced else ZERO
+        final_peak, final_net, final_reduce_input = self.final_callback()
+        b = self.bytes
+        largest = max((u.largest_local for u in b), default=0)
+        return SegmentCosts(
+            fwd_pending=self.fwd_peaks[True],
+            fwd_after=self.fwd_peaks[False],
+            frees_pending=self.frees_previous_output,
+            fwd_net=fwd_net,
+            pending=pending,
+            prefetched=prefetched,
+            bwd=self.bwd_peaks,
+            frees_reduce_input=self.reduced,
+            bwd_net=bwd_net,
+            reduce_input=reduce_input,
+            final_peak=final_peak,
+            final_net=final_net,
+            final_reduce_input=final_reduce_input,
+            has_final=bool(self._deferred()),
+            persistent=sum(
+                (_params(u.params) + MemoryParts(optimizer_states=u.optim) + _grads(u.bucket) for u in b), ZERO
+            ),
+            grads=sum((_grads(u.grad) for u in b), ZERO),
+            optimizer_temp=MemoryParts(optimizer_states=round(optimizer_temporaries * largest)),
+            seconds=sum(u.time.added for u in self.units),
+            units=tuple(self.units),
+        )
 
-    largest = max((u.largest_local for u in b), default=0)
-    return SegmentCosts(
-        fwd_pending=peak_pending,
-        fwd_after=peak_after,
-        frees_pending=frees,
-        fwd_net=fwd_net,
-        pending=own_pending,
-        prefetched=self_prefetched,
-        bwd=bwd,
-        frees_reduce_input=reduced,
-        bwd_net=bwd_net,
-        reduce_input=reduce_out,
-        final_peak=final_peak,
-        final_net=final_net,
-        final_reduce_input=final_reduce,
-        has_final=bool(deferred),
-        persistent=sum((_params(u.params) + MemoryParts(optimizer_states=u.optim) + _grads(u.bucket) for u in b), ZERO),
-        grads=sum((_grads(u.grad) for u in b), ZERO),
-        optimizer_temp=MemoryParts(optimizer_states=round(optimizer_temporaries * largest)),
-        seconds=sum(u.time.added for u in units),
-        units=tuple(units),
-    )
+
+def simulate_segment(
+    segment: Segment, optimizer_temporaries: float, *, release_after_forward: bool = False
+) -> SegmentCosts:
+    """Simulate one segment's forward, backward and deferred reductions, event by event (FSDP2's order: see
+    :class:`SegmentSimulator`). ``release_after_forward``: a sharded unit's all-gather buffer is freed when its
+    forward ends (CPU, see ``lightning_osdp/comm.py``), not kept for the next unit's gather."""
+    return SegmentSimulator(segment, release_after_forward=release_after_forward).run(optimizer_temporaries)
 
 
 @dataclass(frozen=True)
@@ -436,167 +495,225 @@ class TimelineInput(Generic[V]):
 
 def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
     """Walk one training step's memory (see the cost model's docstring for the model in words)."""
+    step = _StepWalk(spec, be)
+    step.step_start()
+    step.forward()
+    step.loss()
+    step.backward()
+    step.final_callback()
+    step.optimizer_step()
+    step.step_time()
 
-    def pick(g: GlobalChoice, attr: str, only_full_shard: bool = False) -> V:
+
+class _StepWalk(Generic[V]):
+    """:func:`build_timeline`'s state between the step's phases, one method per phase in step order.
+
+    ``level`` is the running memory level (what stays between instants); ``pending`` the all-gather output left
+    by the last unit that gathered in forward; ``reduce_pending`` the reduce-scatter input left by the last
+    reduction in backward; ``prefetch`` the all-gather output prefetched in backward for the segment to come.
+    """
+
+    def __init__(self, spec: TimelineInput[V], be: Backend[V]) -> None:
+        self.spec = spec
+        self.be = be
+        self.globals = [g for g in spec.globals if any(u.bytes.param_count for u in g.options.values())]
+        self.segments = [s for s in spec.items if isinstance(s, SegmentChoice)]
+        self.level = be.const(ZERO)
+        self.grads = be.const(ZERO)
+        self.pending = be.const(ZERO)
+        self.loss_activations = be.const(ZERO)
+        self.prefetch = be.const(ZERO)
+        self.reduce_pending = be.const(ZERO)
+
+    # ------------------------------------------------------------------ values of one choice
+    def pick(self, g: GlobalChoice, attr: str, only_full_shard: bool = False) -> V:
+        """A global unit's ``UnitBytes`` field under each of its options (0 for options not ``full_shard``)."""
         values = {}
         for opt, u in g.options.items():
             v = getattr(u.bytes, attr)
             if only_full_shard and u.mode != "full_shard":
                 v = 0
             values[opt] = v
-        return be.choice(g.key, {o: _parts_for(attr, v) for o, v in values.items()})
+        return self.be.choice(g.key, {o: _parts_for(attr, v) for o, v in values.items()})
 
-    def seg(s: SegmentChoice, attr: str) -> V:
-        return be.choice(s.key, {o: getattr(c, attr) for o, c in s.options.items()})
+    def seg(self, s: SegmentChoice, attr: str) -> V:
+        """A segment's ``SegmentCosts`` field under each of its options."""
+        return self.be.choice(s.key, {o: getattr(c, attr) for o, c in s.options.items()})
 
-    # ------------------------------------------------------------------ persistent state at the step's start
-    # Buffers (never sharded) are counted with the parameters.
-    persistent = be.const(_params(spec.buffer_bytes))
-    grads = be.const(ZERO)
-    globals_ = [g for g in spec.globals if any(u.bytes.param_count for u in g.options.values())]
-    for g in globals_:
-        persistent = be.add(persistent, be.add(be.add(pick(g, "params"), pick(g, "optim")), pick(g, "bucket")))
-        grads = be.add(grads, pick(g, "grad"))
-    segments = [s for s in spec.items if isinstance(s, SegmentChoice)]
-    for s in segments:
-        persistent = be.add(persistent, seg(s, "persistent"))
-        grads = be.add(grads, seg(s, "grads"))
-    persistent = be.materialize(persistent, "persistent")
-    grads = be.materialize(grads, "grads")
-    level = be.materialize(be.add(persistent, grads), "level_start")
-    be.checkpoint("step start", level)
+    # ------------------------------------------------------------------ the phases
+    def step_start(self) -> None:
+        """Persistent state at the step's start: parameters, optimizer state, DDP buckets, last step's gradients."""
+        be = self.be
+        # Buffers (never sharded) are counted with the parameters.
+        persistent = be.const(_params(self.spec.buffer_bytes))
+        grads = be.const(ZERO)
+        for g in self.globals:
+            persistent = be.add(
+                persistent, be.add(be.add(self.pick(g, "params"), self.pick(g, "optim")), self.pick(g, "bucket"))
+            )
+            grads = be.add(grads, self.pick(g, "grad"))
+        for s in self.segments:
+            persistent = be.add(persistent, self.seg(s, "persistent"))
+            grads = be.add(grads, self.seg(s, "grads"))
+        persistent = be.materialize(persistent, "persistent")
+        self.grads = be.materialize(grads, "grads")
+        self.level = be.materialize(be.add(persistent, self.grads), "level_start")
+        be.checkpoint("step start", self.level)
 
-    # ------------------------------------------------------------------ forward
-    pending = be.const(ZERO)
-    for g in globals_:
-        label = f"forward gather {_label(str(g.key))}"
-        be.checkpoint(label, be.add(be.add(level, pending), pick(g, "flat")))
-        level = be.add(level, pick(g, "gathered"))
-        pending = pick(g, "flat")
-        be.checkpoint(label, be.add(level, pending))
-    level = be.materialize(level, "level_globals")
-    bound_pending = spec.globals_bound_pending
-    for i, item in enumerate(spec.items):
-        if isinstance(item, FreeCosts):
-            be.checkpoint(f"forward {item.fwd_at}", be.add(be.add(level, pending), be.const(item.fwd_peak)))
-            level = be.add(level, be.const(item.fwd_net))
-            continue
+    def forward(self) -> None:
+        """The global units gather first (the root's pre-forward), then every item in forward order."""
+        be = self.be
+        for g in self.globals:
+            label = f"forward gather {_label(str(g.key))}"
+            be.checkpoint(label, be.add(be.add(self.level, self.pending), self.pick(g, "flat")))
+            self.level = be.add(self.level, self.pick(g, "gathered"))
+            self.pending = self.pick(g, "flat")
+            be.checkpoint(label, be.add(self.level, self.pending))
+        self.level = be.materialize(self.level, "level_globals")
+        bound_pending = self.spec.globals_bound_pending
+        for i, item in enumerate(self.spec.items):
+            if isinstance(item, FreeCosts):
+                be.checkpoint(
+                    f"forward {item.fwd_at}", be.add(be.add(self.level, self.pending), be.const(item.fwd_peak))
+                )
+                self.level = be.add(self.level, be.const(item.fwd_net))
+                continue
+            self._forward_segment(i, item, bound_pending)
+            if not self.spec.release_after_forward:
+                bound_pending = max(bound_pending, item.bound_pending)
+
+    def _forward_segment(self, i: int, item: SegmentChoice, bound_pending: int) -> None:
+        be = self.be
         label = f"forward {item.key}"
-        be.checkpoint_options(label, level, [pending], item.key, {o: c.fwd_pending for o, c in item.options.items()})
+        be.checkpoint_options(
+            label, self.level, [self.pending], item.key, {o: c.fwd_pending for o, c in item.options.items()}
+        )
         frees = {o: c.frees_pending for o, c in item.options.items()}
         if any(frees.values()):
-            be.checkpoint_options(label, level, [], item.key, {o: c.fwd_after for o, c in item.options.items()})
-        bound = _comm(bound_pending) if spec.any_sharded else ZERO
+            be.checkpoint_options(label, self.level, [], item.key, {o: c.fwd_after for o, c in item.options.items()})
+        bound = _comm(bound_pending) if self.spec.any_sharded else ZERO
         if not all(frees.values()):
             # An option that gathers nothing (DDP) leaves an earlier all-gather output pending: bounded by the largest
             # a global unit or an earlier segment can leave (see [Note: pending buffers across DDP segments]).
-            pending = be.choice(item.key, {o: c.pending if frees[o] else bound for o, c in item.options.items()})
+            self.pending = be.choice(item.key, {o: c.pending if frees[o] else bound for o, c in item.options.items()})
         else:
-            pending = seg(item, "pending")
-        if not spec.release_after_forward:
-            bound_pending = max(bound_pending, item.bound_pending)
-        level = be.materialize(be.add(level, seg(item, "fwd_net")), f"fwd_level_{i}")
+            self.pending = self.seg(item, "pending")
+        self.level = be.materialize(be.add(self.level, self.seg(item, "fwd_net")), f"fwd_level_{i}")
 
-    # ------------------------------------------------------------------ loss, end of forward
-    for g in globals_:
-        if not g.is_root:  # a tied group reshards after its last holder's forward, before the loss
-            level = be.sub(level, pick(g, "gathered", only_full_shard=True))
-    loss = be.const(_acts(spec.extra_activation_bytes + spec.last_output_bytes))
-    be.checkpoint("loss", be.add(be.add(level, pending), loss))
-    for g in globals_:
-        if g.is_root:
-            level = be.sub(level, pick(g, "gathered", only_full_shard=True))
-    level = be.sub(level, grads)  # zero_grad(set_to_none=True) after training_step, before backward
+    def loss(self) -> None:
+        """The end of the forward: tied groups reshard, the loss is computed, the root reshards, the gradients of
+        the previous step are dropped."""
+        be = self.be
+        for g in self.globals:
+            if not g.is_root:  # a tied group reshards after its last holder's forward, before the loss
+                self.level = be.sub(self.level, self.pick(g, "gathered", only_full_shard=True))
+        self.loss_activations = be.const(_acts(self.spec.extra_activation_bytes + self.spec.last_output_bytes))
+        be.checkpoint("loss", be.add(be.add(self.level, self.pending), self.loss_activations))
+        for g in self.globals:
+            if g.is_root:
+                self.level = be.sub(self.level, self.pick(g, "gathered", only_full_shard=True))
+        self.level = be.sub(self.level, self.grads)  # zero_grad(set_to_none=True) after training_step, before backward
 
-    # ------------------------------------------------------------------ backward
-    for g in globals_:
-        be.checkpoint(
-            f"backward gather {_label(str(g.key))}",
-            be.add(be.add(level, pick(g, "gathered", only_full_shard=True)), pick(g, "flat", only_full_shard=True)),
-        )
-        level = be.add(level, pick(g, "gathered", only_full_shard=True))
-        # Gradients of the global units' parameters (embedding, LM head) exist from the start of backward until
-        # the final callback reduces them.
-        level = be.add(level, pick(g, "grad_full"))
-    prefetch = seg(segments[-1], "prefetched") if segments else be.const(ZERO)
-    be.checkpoint("loss backward", be.add(be.add(level, prefetch), loss))
-    level = be.materialize(level, "level_backward")
-    reduce_pending = be.const(ZERO)
-    bound_reduce = 0
-    seen = len(segments)
-    for i in range(len(spec.items) - 1, -1, -1):
-        item = spec.items[i]
-        if isinstance(item, FreeCosts):
+    def backward(self) -> None:
+        """The global units gather again (the root's pre-backward), then every item in reverse forward order."""
+        be = self.be
+        for g in self.globals:
             be.checkpoint(
-                f"backward item {i}",
-                be.add(be.add(be.add(level, reduce_pending), prefetch), be.const(item.bwd_peak)),
+                f"backward gather {_label(str(g.key))}",
+                be.add(
+                    be.add(self.level, self.pick(g, "gathered", only_full_shard=True)),
+                    self.pick(g, "flat", only_full_shard=True),
+                ),
             )
-            level = be.add(level, be.const(item.bwd_net))
-            continue
-        seen -= 1
-        earlier = seg(segments[seen - 1], "prefetched") if seen > 0 else be.const(ZERO)
-        level = be.materialize(be.add(level, prefetch), f"bwd_start_{i}")
+            self.level = be.add(self.level, self.pick(g, "gathered", only_full_shard=True))
+            # Gradients of the global units' parameters (embedding, LM head) exist from the start of backward until
+            # the final callback reduces them.
+            self.level = be.add(self.level, self.pick(g, "grad_full"))
+        self.prefetch = self.seg(self.segments[-1], "prefetched") if self.segments else be.const(ZERO)
+        be.checkpoint("loss backward", be.add(be.add(self.level, self.prefetch), self.loss_activations))
+        self.level = be.materialize(self.level, "level_backward")
+        bound_reduce = 0
+        seen = len(self.segments)
+        for i in range(len(self.spec.items) - 1, -1, -1):
+            item = self.spec.items[i]
+            if isinstance(item, FreeCosts):
+                be.checkpoint(
+                    f"backward item {i}",
+                    be.add(be.add(be.add(self.level, self.reduce_pending), self.prefetch), be.const(item.bwd_peak)),
+                )
+                self.level = be.add(self.level, be.const(item.bwd_net))
+                continue
+            seen -= 1
+            earlier = self.seg(self.segments[seen - 1], "prefetched") if seen > 0 else be.const(ZERO)
+            self._backward_segment(i, item, earlier, bound_reduce)
+            bound_reduce = max(bound_reduce, item.bound_reduce_input)
+            self.prefetch = earlier
+
+    def _backward_segment(self, i: int, item: SegmentChoice, earlier: V, bound_reduce: int) -> None:
+        be = self.be
+        self.level = be.materialize(be.add(self.level, self.prefetch), f"bwd_start_{i}")
         for cls in BWD_CLASSES:
-            cross = ([reduce_pending] if cls[0] else []) + ([earlier] if cls[1] else [])
+            cross = ([self.reduce_pending] if cls[0] else []) + ([earlier] if cls[1] else [])
             be.checkpoint_options(
-                f"backward {item.key}", level, cross, item.key, {o: c.bwd[cls] for o, c in item.options.items()}
+                f"backward {item.key}", self.level, cross, item.key, {o: c.bwd[cls] for o, c in item.options.items()}
             )
-        level = be.materialize(be.add(level, seg(item, "bwd_net")), f"bwd_level_{i}")
+        self.level = be.materialize(be.add(self.level, self.seg(item, "bwd_net")), f"bwd_level_{i}")
         reduce = {o: c.frees_reduce_input for o, c in item.options.items()}
         if all(reduce.values()):
-            reduce_pending = seg(item, "reduce_input")
+            self.reduce_pending = self.seg(item, "reduce_input")
         else:
             # An option that reduces nothing in backward (DDP's units, or the coarse unit of the segment holding the
             # model's first trainable module, reduced in the final callback) leaves a later segment's input pending:
             # bounded by the largest any later segment can leave, as in forward.
-            bound = _comm(bound_reduce) if spec.any_sharded else ZERO
-            reduce_pending = be.choice(
+            bound = _comm(bound_reduce) if self.spec.any_sharded else ZERO
+            self.reduce_pending = be.choice(
                 item.key, {o: c.reduce_input if reduce[o] else bound for o, c in item.options.items()}
             )
-        bound_reduce = max(bound_reduce, item.bound_reduce_input)
-        prefetch = earlier
 
-    # ------------------------------------------------------------------ final callback: deferred reductions
-    for g in globals_:
-        level = be.sub(level, pick(g, "gathered"))
-        trainable = {u.bytes.trainable for u in g.options.values()}
-        if trainable == {True}:
-            label = f"final reduce {_label(str(g.key))}"
-            be.checkpoint(label, be.add(level, pick(g, "reduce_input")))
-            level = be.add(level, be.sub(pick(g, "grad"), pick(g, "grad_full")))
-            be.checkpoint(label, be.add(level, pick(g, "reduce_input")))
-            reduce_pending = pick(g, "reduce_input")
-        else:
-            reduce_pending = be.const(ZERO)
-    for s in segments:
-        if not any(c.has_final for c in s.options.values()):
-            continue
-        be.checkpoint_options(
-            f"final reduce {s.key}", level, [], s.key, {o: c.final_peak for o, c in s.options.items()}
-        )
-        level = be.materialize(be.add(level, seg(s, "final_net")), f"final_{s.key}")
-    # FSDP2's final callback waits for every reduction and drops the kept reduce-scatter inputs.
-
-    # ------------------------------------------------------------------ optimizer step
-    temps = [seg(s, "optimizer_temp") for s in segments]
-    for g in globals_:
-        temps.append(
-            be.choice(
-                g.key,
-                {
-                    o: MemoryParts(optimizer_states=round(spec.optimizer_temporaries * u.bytes.largest_local))
-                    for o, u in g.options.items()
-                },
+    def final_callback(self) -> None:
+        """FSDP2's final callback: the global units reshard and reduce, then the segments' deferred reductions;
+        it waits for every reduction and drops the kept reduce-scatter inputs."""
+        be = self.be
+        for g in self.globals:
+            self.level = be.sub(self.level, self.pick(g, "gathered"))
+            trainable = {u.bytes.trainable for u in g.options.values()}
+            if trainable == {True}:
+                label = f"final reduce {_label(str(g.key))}"
+                be.checkpoint(label, be.add(self.level, self.pick(g, "reduce_input")))
+                self.level = be.add(self.level, be.sub(self.pick(g, "grad"), self.pick(g, "grad_full")))
+                be.checkpoint(label, be.add(self.level, self.pick(g, "reduce_input")))
+        for s in self.segments:
+            if not any(c.has_final for c in s.options.values()):
+                continue
+            be.checkpoint_options(
+                f"final reduce {s.key}", self.level, [], s.key, {o: c.final_peak for o, c in s.options.items()}
             )
-        )
-    be.checkpoint("optimizer step", be.add(level, be.maximum(temps, "optimizer_temporaries")))
+            self.level = be.materialize(be.add(self.level, self.seg(s, "final_net")), f"final_{s.key}")
 
-    # ------------------------------------------------------------------ time
-    be.constant_seconds(spec.compute_seconds)
-    for g in globals_:
-        be.seconds(g.key, {o: u.time.added for o, u in g.options.items()})
-    for s in segments:
-        be.seconds(s.key, {o: c.seconds for o, c in s.options.items()})
+    def optimizer_step(self) -> None:
+        """The optimizer step: the largest temporaries of any unit on top of the level after the final callback."""
+        be = self.be
+        temps = [self.seg(s, "optimizer_temp") for s in self.segments]
+        for g in self.globals:
+            temps.append(
+                be.choice(
+                    g.key,
+                    {
+                        o: MemoryParts(optimizer_states=round(self.spec.optimizer_temporaries * u.bytes.largest_local))
+                        for o, u in g.options.items()
+                    },
+                )
+            )
+        be.checkpoint("optimizer step", be.add(self.level, be.maximum(temps, "optimizer_temporaries")))
+
+    def step_time(self) -> None:
+        """The step time: the compute every plan pays, plus what each choice's option adds."""
+        be = self.be
+        be.constant_seconds(self.spec.compute_seconds)
+        for g in self.globals:
+            be.seconds(g.key, {o: u.time.added for o, u in g.options.items()})
+        for s in self.segments:
+            be.seconds(s.key, {o: c.seconds for o, c in s.options.items()})
 
 
 def _parts_for(attr: str, value: int) -> MemoryParts:

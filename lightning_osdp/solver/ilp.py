@@ -30,6 +30,12 @@ log decide between a proven optimum, a solution within the gap, a time-limit sol
 smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
 feasibility pump alone takes longer than the whole LP-and-round path.
 
+Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_tighten_by_counts``,
+``_search_neighbourhood``, ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces
+the one held only if it fits and is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the
+incumbent says when the plan held is within the gap (the solve then stops) and what proves it. Every CBC run of
+one solve writes its files in one directory (``cbc.py``'s [Note: CBC's files and processes]).
+
 [Note: identical segments]
 A Transformer's blocks are identical segments: same options, same costs. The step time depends only on how many
 of them take each option, and the memory rows mostly through sums over them (the level at the end of the forward,
@@ -52,7 +58,6 @@ import dataclasses
 import math
 import os
 import re
-import tempfile
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +71,7 @@ from lightning_osdp.cost_model.parts import MemoryParts
 from lightning_osdp.cost_model.prediction import Prediction, _predict
 from lightning_osdp.cost_model.structure import (
     ROOT,
+    LocalUnit,
     ModelInfo,
     build_segment,
     free_run,
@@ -86,7 +92,14 @@ from lightning_osdp.cost_model.timeline import (
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solve_report import PredictionSummary, SolveReport
-from lightning_osdp.solver.candidates import Candidates, SegmentOption, planning_units, segment_options
+from lightning_osdp.solver.candidates import (
+    Candidates,
+    SegmentCandidate,
+    SegmentOption,
+    planning_units,
+    segment_options,
+)
+from lightning_osdp.solver.cbc import cbc_command, cbc_workspace
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
 
 __all__ = ["InfeasibleBudgetError", "PlanningProblem", "SolverError", "minimum_budget", "solve"]
@@ -126,6 +139,110 @@ class SolveResult:
     bound: str = "branch and bound"
 
 
+class Incumbent:
+    """The best plan the solver's phases have found so far, its value, and the lower bound that says how far from
+    the optimum it can be, with what proves that bound (see [Note: solving]).
+
+    Args:
+        be: the ILP's pieces (a plan's peak and step time are evaluated on them).
+        budget: the memory budget in bytes; ``None`` when the peak itself is minimised (then a plan's value is
+            its peak, and every plan fits).
+        gap: the relative gap at which the search stops.
+        started: when the solve started (``time.perf_counter()``), for the seconds reported.
+
+    Attributes:
+        chosen: the option per choice of the best plan found (``None`` until one fits).
+        value: its objective (step time in ms, or peak in MiB); ``inf`` until one fits.
+        lower: the best lower bound of the objective (``None`` until the LP relaxation gives one).
+        proof: what proves ``lower``: ``"LP relaxation"`` or ``"count relaxation"``.
+    """
+
+    def __init__(self, be: LinearBackend, *, budget: int | None, gap: float, started: float) -> None:
+        self.be = be
+        self.rhs = None if budget is None else _rhs(budget)
+        self.gap = gap
+        self.started = started
+        self.chosen: dict[Hashable, Hashable] | None = None
+        self.value = math.inf
+        self.lower: float | None = None
+        self.proof = "LP relaxation"
+
+    @property
+    def minimises_peak(self) -> bool:
+        """Whether the objective is the peak (no budget) rather than the step time."""
+        return self.rhs is None
+
+    def score(self, chosen: Mapping[Hashable, Hashable]) -> tuple[float, float]:
+        """``chosen``'s peak (MiB) and its value (step time in ms, or the peak when that is minimised)."""
+        ev = self.be.evaluator(chosen)
+        top = max(ev(e) for _, e in self.be.checkpoints)
+        return top, (top if self.rhs is None else ev(self.be.objective))
+
+    def fits(self, top: float) -> bool:
+        """Whether a peak of ``top`` MiB meets the budget."""
+        return self.rhs is None or top <= self.rhs
+
+    def improves(self, candidate: Mapping[Hashable, Hashable]) -> float | None:
+        """``candidate``'s value when it fits and beats the incumbent, else ``None``."""
+        top, value = self.score(candidate)
+        return value if self.fits(top) and value < self.value else None
+
+    def offer(self, candidate: dict[Hashable, Hashable] | None) -> bool:
+        """Replace the incumbent by ``candidate`` if it :meth:`improves` it; whether it did."""
+        if candidate is None:
+            return False
+        value = self.improves(candidate)
+        if value is None:
+            return False
+        self.chosen, self.value = candidate, value
+        return True
+
+    def raise_bound(self, bound: float, proof: str) -> None:
+        """Take ``bound`` (proved by ``proof``) if it is tighter than the lower bound held."""
+        if self.lower is None or bound > self.lower:
+            self.lower, self.proof = bound, proof
+
+    def loss(self) -> float:
+        """The relative gap between the incumbent's value and the lower bound."""
+        return math.inf if self.lower is None else _relative_gap(self.value, self.lower)
+
+    def within_gap(self) -> bool:
+        """Whether a plan is held and proved within ``gap`` of the optimum."""
+        return self.chosen is not None and self.loss() <= self.gap
+
+    def elapsed(self) -> float:
+        """Seconds since the solve started."""
+        return time.perf_counter() - self.started
+
+    def result(self) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+        """The incumbent as the solve's answer: optimal, or within the gap the bound proves."""
+        achieved = self.loss()
+        status = "optimal" if achieved <= 1e-9 else f"within gap {self.gap:g}"
+        return self.chosen, SolveResult(status, achieved, self.elapsed(), self.value, self.proof)
+
+    def timed_out(self) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+        """The incumbent as the answer of a search that ran out of time: the gap its bound proves."""
+        bound = self.loss()
+        return self.chosen, SolveResult(
+            f"time limit (within gap {bound:.2g})", bound, self.elapsed(), self.value, self.proof
+        )
+
+
+@dataclass
+class _Formulation:
+    """The ILP in pulp (see :meth:`PlanningProblem._formulate`), with the directory its CBC runs write to."""
+
+    prob: pulp.LpProblem
+    xs: list[pulp.LpVariable]
+    counts: dict[tuple[int, Hashable], pulp.LpVariable]
+    be: LinearBackend
+    workdir: str
+
+
+def _relative_gap(value: float, lower: float) -> float:
+    return max((value - lower) / max(abs(value), 1e-12), 0.0)
+
+
 class PlanningProblem:
     """The planning units, their options and the timeline input, built once per (profile, world size, options).
 
@@ -148,11 +265,7 @@ class PlanningProblem:
         units: Iterable[str] | None = None,
         config: CostModelConfig | None = None,
     ) -> None:
-        unknown = [m for m in modes if m not in MODES]
-        if unknown or not modes:
-            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(modes)}")
-        if any(k < 1 for k in splits) or 1 not in splits:
-            raise ValueError(f"splits must be integers >= 1 and include 1, got {tuple(splits)}")
+        _check_options(modes, splits)
         self.profile = profile
         self.world_size = world_size
         self.modes = tuple(modes)
@@ -160,39 +273,49 @@ class PlanningProblem:
         self.config = (config or CostModelConfig()).resolve(profile)
         self.info = ModelInfo(profile, world_size, self.config)
         self.candidates: Candidates = planning_units(self.info, units=units)
+        # Which modules are segments, groups or free does not depend on the modes chosen: one layout serves all.
         first = Decision(self.modes[0])
         representative = {ROOT: first}
         representative.update({s.entry: first for s in self.candidates.segments})
         representative.update({h: first for g in self.candidates.tie_groups for h in g})
         self.layout = layout(self.info, representative)
+        #: per (choice, option): the decisions it puts in the plan, and its label for reports
         self.option_decisions: dict[tuple[Hashable, Hashable], tuple[tuple[str, Decision], ...]] = {}
         self.option_labels: dict[tuple[Hashable, Hashable], str] = {}
-        globals_ = [
-            GlobalChoice(
-                ROOT,
-                {m: global_unit(self.info, ROOT, (ROOT,), self.layout.root_cover, m) for m in self.modes},
-                is_root=True,
-            )
-        ]
-        for m in self.modes:
-            self.option_decisions[(ROOT, m)] = ((ROOT, Decision(m)),)
-            self.option_labels[(ROOT, m)] = m
-        for g in self.layout.groups:
-            key = g[0]
-            cover = self.layout.group_cover[key]
-            globals_.append(
-                GlobalChoice(key, {m: global_unit(self.info, key, tuple(g), cover, m) for m in self.modes}, False)
-            )
+        globals_ = self._global_choices()
+        items, classes = self._segment_choices()
+        self.option_count = sum(len(s.options) for s in items if isinstance(s, SegmentChoice))
+        self.option_count += sum(len(g.options) for g in globals_)
+        # The first and last of a run are left out: the instants around them (the end of the forward, the loss)
+        # tell them apart from the others.
+        self.classes: list[list[Hashable]] = [keys[1:-1] for keys in classes.values() if len(keys) > 3]
+        self.spec: TimelineInput[LinExpr] = self._timeline_input(globals_, items)
+
+    def _global_units(self) -> list[tuple[str, tuple[str, ...], list[str]]]:
+        """The root and each tied list group: key (the first holder), holders, covered modules."""
+        out: list[tuple[str, tuple[str, ...], list[str]]] = [(ROOT, (ROOT,), self.layout.root_cover)]
+        out.extend((g[0], tuple(g), self.layout.group_cover[g[0]]) for g in self.layout.groups)
+        return out
+
+    def _global_choices(self) -> list[GlobalChoice]:
+        """One choice per global unit, one option per mode (the same mode for every holder)."""
+        choices = []
+        for key, holders, cover in self._global_units():
+            options: dict[Hashable, LocalUnit] = {m: global_unit(self.info, key, holders, cover, m) for m in self.modes}
+            choices.append(GlobalChoice(key, options, is_root=key == ROOT))
             for m in self.modes:
-                self.option_decisions[(key, m)] = tuple((h, Decision(m)) for h in g)
+                self.option_decisions[(key, m)] = tuple((h, Decision(m)) for h in holders)
                 self.option_labels[(key, m)] = m
+        return choices
+
+    def _segment_choices(self) -> tuple[list[SegmentChoice | FreeCosts], dict[tuple[Any, ...], list[Hashable]]]:
+        """The layout's items in forward order (segments with their options, free runs simulated), and the
+        segments grouped by signature (see [Note: identical segments])."""
         by_entry = {s.entry: s for s in self.candidates.segments}
         # Identical segments (same shapes and figures: the blocks of a Transformer) share their simulations and
         # pruning: on deep models that is most of the solver's Python time.
         cache: dict[tuple[Any, ...], tuple[list[SegmentOption], dict[Hashable, SegmentCosts]]] = {}
         items: list[SegmentChoice | FreeCosts] = []
-        self.option_count = 0
-        #: segments with identical options and costs, by signature (see [Note: identical segments])
         classes: dict[tuple[Any, ...], list[Hashable]] = {}
         for item in self.layout.items:
             if isinstance(item, list):
@@ -200,33 +323,38 @@ class PlanningProblem:
                 continue
             signature = (self._signature(item), tuple(n[len(item) :] for n in by_entry[item].inner))
             if signature not in cache:
-                options = segment_options(self.info, by_entry[item], self.modes, self.splits)
-                costs: dict[int, SegmentCosts] = {}
-                for i, option in enumerate(options):
-                    segment = build_segment(self.info, item, dict(option.decisions), excluded=self.layout.excluded)
-                    costs[i] = dataclasses.replace(
-                        simulate_segment(
-                            segment,
-                            self.config.optimizer_temporaries,
-                            release_after_forward=self.config.release_all_gather_after_forward,
-                        ),
-                        units=(),
-                    )
-                kept = _prune(costs)
-                cache[signature] = ([options[i] for i in kept], {j: costs[i] for j, i in enumerate(kept)})
+                cache[signature] = self._simulate_options(by_entry[item])
             relative, kept_costs = cache[signature]
             classes.setdefault(signature, []).append(item)
             for j, option in enumerate(relative):
                 decisions = tuple((item + name[len(relative_entry(option)) :], d) for name, d in option.decisions)
                 self.option_decisions[(item, j)] = decisions
                 self.option_labels[(item, j)] = option.label
-            self.option_count += len(kept_costs)
             items.append(SegmentChoice(item, kept_costs, *segment_bounds(self.info, item, self.layout.excluded)))
-        self.option_count += sum(len(g.options) for g in globals_)
-        # The first and last of a run are left out: the instants around them (the end of the forward, the loss)
-        # tell them apart from the others.
-        self.classes: list[list[Hashable]] = [keys[1:-1] for keys in classes.values() if len(keys) > 3]
-        self.spec: TimelineInput[LinExpr] = TimelineInput(
+        return items, classes
+
+    def _simulate_options(
+        self, candidate: SegmentCandidate
+    ) -> tuple[list[SegmentOption], dict[Hashable, SegmentCosts]]:
+        """A segment's options, each simulated, less those another option dominates (see :func:`_prune`)."""
+        options = segment_options(self.info, candidate, self.modes, self.splits)
+        costs: dict[int, SegmentCosts] = {}
+        for i, option in enumerate(options):
+            segment = build_segment(self.info, candidate.entry, dict(option.decisions), excluded=self.layout.excluded)
+            simulated = simulate_segment(
+                segment,
+                self.config.optimizer_temporaries,
+                release_after_forward=self.config.release_all_gather_after_forward,
+            )
+            costs[i] = dataclasses.replace(simulated, units=())
+        kept = _prune(costs)
+        return [options[i] for i in kept], {j: costs[i] for j, i in enumerate(kept)}
+
+    def _timeline_input(
+        self, globals_: list[GlobalChoice], items: list[SegmentChoice | FreeCosts]
+    ) -> TimelineInput[LinExpr]:
+        profile = self.profile
+        return TimelineInput(
             globals=globals_,
             items=items,
             compute_seconds=sum(mp.fwd_seconds + mp.bwd_seconds for mp in profile.modules.values())
@@ -237,13 +365,8 @@ class PlanningProblem:
             optimizer_temporaries=self.config.optimizer_temporaries,
             release_after_forward=self.config.release_all_gather_after_forward,
             globals_bound_pending=max(
-                [
-                    global_unit(self.info, ROOT, (ROOT,), self.layout.root_cover, "full_shard").bytes.flat,
-                    *(
-                        global_unit(self.info, g[0], tuple(g), self.layout.group_cover[g[0]], "full_shard").bytes.flat
-                        for g in self.layout.groups
-                    ),
-                ]
+                global_unit(self.info, key, holders, cover, "full_shard").bytes.flat
+                for key, holders, cover in self._global_units()
             ),
         )
 
@@ -332,127 +455,137 @@ class PlanningProblem:
                 prob += affine(e) - peak <= 0
         return prob, xs, counts
 
+    # ------------------------------------------------------------------ solving (see [Note: solving])
     def solve_ilp(
         self, be: LinearBackend, *, budget: int | None, gap: float, time_limit: float
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
         """Minimise step time under ``budget`` (bytes), or (``budget=None``) minimise the peak. Returns the chosen
-        option per choice (``None`` when infeasible) and how CBC ended (see [Note: solving])."""
+        option per choice (``None`` when infeasible) and how the solve ended (see [Note: solving]).
+
+        The phases run in order, each handing a plan and/or a lower bound to one :class:`Incumbent`, and the
+        solve stops as soon as the incumbent is within ``gap`` of the bound."""
         started = time.perf_counter()
         formulated = self._formulate(be, budget)
         if formulated is None:
             return None, SolveResult("infeasible", None, 0.0, math.nan)
-        prob, xs, counts = formulated
-        rhs = None if budget is None else _rhs(budget)
+        incumbent = Incumbent(be, budget=budget, gap=gap, started=started)
+        with cbc_workspace() as workdir:
+            f = _Formulation(*formulated, be=be, workdir=workdir)
+            status = self._relax(f, incumbent, time_limit)
+            if status == pulp.LpStatusInfeasible:
+                return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
+            if status == pulp.LpStatusOptimal and incumbent.lower is not None:
+                fractional = self._round_relaxation(f, incumbent)
+                if incumbent.within_gap():
+                    return incumbent.result()
+                self._tighten_by_counts(f, incumbent, time_limit / 4)
+                if incumbent.within_gap():
+                    return incumbent.result()
+                self._search_neighbourhood(f, incumbent, fractional, time_limit / 4)
+                if incumbent.within_gap():
+                    return incumbent.result()
+            return self._branch_and_bound(f, incumbent, time_limit)
 
-        def score(chosen: dict[Hashable, Hashable]) -> tuple[float, float]:
-            ev = be.evaluator(chosen)
-            top = max(ev(e) for _, e in be.checkpoints)
-            return top, (top if budget is None else ev(be.objective))
+    def _relax(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> int:
+        """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
+        solution has very few fractional choices). Returns pulp's status."""
+        f.prob.solve(cbc_command(f.workdir, msg=False, mip=False, timeLimit=time_limit))
+        if f.prob.status == pulp.LpStatusInfeasible:
+            return f.prob.status
+        lower = pulp.value(f.prob.objective)
+        incumbent.lower = float(lower) if f.prob.status == pulp.LpStatusOptimal and lower is not None else lower
+        return int(f.prob.status)
 
-        def improves(candidate: dict[Hashable, Hashable], incumbent: float) -> float | None:
-            """``candidate``'s value when it fits and beats ``incumbent``, else ``None``."""
-            top, candidate_value = score(candidate)
-            return candidate_value if (rhs is None or top <= rhs) and candidate_value < incumbent else None
-
-        def loss(value: float, lower: float) -> float:
-            return max((value - lower) / max(abs(value), 1e-12), 0.0)
-
-        def done(
-            chosen: dict[Hashable, Hashable], value: float, lower: float
-        ) -> tuple[dict[Hashable, Hashable], SolveResult]:
-            achieved = loss(value, lower)
-            status = "optimal" if achieved <= 1e-9 else f"within gap {gap:g}"
-            return chosen, SolveResult(status, achieved, time.perf_counter() - started, value, proof)
-
-        # 1. The LP relaxation: a lower bound, and (multiple-choice knapsacks being what they are) a solution with
-        #    very few fractional choices.
-        prob.solve(pulp.PULP_CBC_CMD(msg=False, mip=False, timeLimit=time_limit))
-        if prob.status == pulp.LpStatusInfeasible:
-            return None, SolveResult("infeasible", None, time.perf_counter() - started, math.nan)
-        lower = pulp.value(prob.objective)
-        proof = "LP relaxation"
-        rounded: dict[Hashable, Hashable] | None = None
-        value = math.inf
-        fractional: dict[Hashable, list[Hashable]] = {}
-        if prob.status == pulp.LpStatusOptimal and lower is not None:
-            lower = float(lower)
-            rounded, fractional = self._round(be, xs)
-            top, value = score(rounded)
-            # The few fractional choices: first make the plan fit (the option that lowers the peak most), then
-            # take the fastest option the LP used that still fits.
-            for key in fractional:
-                if rhs is None or top <= rhs:
+    def _round_relaxation(self, f: _Formulation, incumbent: Incumbent) -> dict[Hashable, list[Hashable]]:
+        """Phase 1, continued: the LP's solution rounded to a plan (see :meth:`_round`), offered to the incumbent.
+        Returns the fractional choices with the options the LP used."""
+        rounded, fractional = self._round(f.be, f.xs)
+        top = incumbent.score(rounded)[0]
+        # The few fractional choices: first make the plan fit (the option that lowers the peak most), then
+        # take the fastest option the LP used that still fits.
+        for key in fractional:
+            if incumbent.fits(top):
+                break
+            trials = [({**rounded, key: o}, o) for o in fractional[key]]
+            rounded = min(trials, key=lambda t: incumbent.score(t[0])[0])[0]
+            top = incumbent.score(rounded)[0]
+        if not incumbent.offer(rounded):
+            return fractional
+        for key in fractional:
+            for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
+                current = incumbent.chosen
+                assert current is not None  # the rounded plan, or a better one
+                if o == current[key]:
                     break
-                trials = [({**rounded, key: o}, o) for o in fractional[key]]
-                best = min(trials, key=lambda t: score(t[0])[0])[0]
-                rounded = best
-                top, value = score(rounded)
-            if rhs is not None and top > rhs:
-                rounded, value = None, math.inf
-            else:
-                for key in fractional:
-                    for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
-                        if o == rounded[key]:
-                            break
-                        trial = {**rounded, key: o}
-                        if (v := improves(trial, value)) is not None:
-                            rounded, value = trial, v
-                            break
-                if loss(value, lower) <= gap:
-                    return done(rounded, value, lower)
-            if self.classes:
-                # Rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it
-                # (see [Note: identical segments]), and its counts are placed if they beat the rounded plan.
-                counted = self._count_relaxation(prob, be, xs, counts, gap, time_limit / 4)
-                if counted is not None:
-                    bound, found, whole = counted
-                    if bound > lower:
-                        lower, proof = bound, "count relaxation"
-                    if whole is not None and (v := improves(whole, value)) is not None:
-                        rounded, value = whole, v
-                    if rounded is None or loss(value, lower) > gap:
-                        placed = self._with_counts(prob, be, xs, counts, found, gap, time_limit / 4)
-                        if placed is not None and (v := improves(placed, value)) is not None:
-                            rounded, value = placed, v
-                    if rounded is not None and loss(value, lower) <= gap:
-                        return done(rounded, value, lower)
-            if rounded is not None and len(be.options) > _NEIGHBOURHOOD:
-                # Rounding lost more than the gap: re-optimise a few choices around it, the rest fixed.
-                better = self._neighbourhood(prob, be, xs, rounded, fractional, gap, time_limit / 4)
-                if better is not None and (v := improves(better, value)) is not None:
-                    rounded, value = better, v
-                if loss(value, lower) <= gap:
-                    return done(rounded, value, lower)
-        # 2. Branch and bound. With a rounded plan that fits, CBC only looks for plans better than it by more than the
-        #    gap (a cutoff): "infeasible" then proves the rounded plan is within the gap of the optimum.
-        left = max(time_limit - (time.perf_counter() - started), 1.0)
+                if incumbent.offer({**current, key: o}):
+                    break
+        return fractional
+
+    def _tighten_by_counts(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> None:
+        """Phase 2: rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it
+        (see [Note: identical segments]); its solution is offered when whole, and its counts placed otherwise."""
+        if not self.classes:
+            return
+        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit, workdir=f.workdir)
+        if counted is None:
+            return
+        bound, found, whole = counted
+        incumbent.raise_bound(bound, "count relaxation")
+        incumbent.offer(whole)
+        if not incumbent.within_gap():
+            placed = self._with_counts(
+                f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit, workdir=f.workdir
+            )
+            incumbent.offer(placed)
+
+    def _search_neighbourhood(
+        self,
+        f: _Formulation,
+        incumbent: Incumbent,
+        fractional: Mapping[Hashable, Sequence[Hashable]],
+        time_limit: float,
+    ) -> None:
+        """Phase 3: rounding lost more than the gap: re-optimise a few choices around the incumbent, the rest
+        fixed (see :meth:`_neighbourhood`)."""
+        if incumbent.chosen is None or len(f.be.options) <= _NEIGHBOURHOOD:
+            return
+        start = incumbent.chosen
+        incumbent.offer(
+            self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit, workdir=f.workdir)
+        )
+
+    def _branch_and_bound(
+        self, f: _Formulation, incumbent: Incumbent, time_limit: float
+    ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+        """Phase 4: CBC's branch and bound on the whole problem, for what time is left. With an incumbent, CBC only
+        looks for plans better than it by more than the gap (a cutoff): "infeasible" then proves the incumbent
+        is within the gap of the optimum."""
+        gap, lower = incumbent.gap, incumbent.lower
+        left = max(time_limit - incumbent.elapsed(), 1.0)
         # CBC's relative gap ignores the objective's constant (the compute time every plan pays); the gap asked
         # for is relative to the predicted step time, so it is also given as an absolute gap.
-        absolute = gap * abs(lower) if lower is not None and budget is not None else None
-        constant = prob.objective.constant if prob.objective is not None else 0.0
-        cutoff = None
-        if rounded is not None:
-            cutoff = score(rounded)[1] * (1 - gap) - constant
+        absolute = gap * abs(lower) if lower is not None and not incumbent.minimises_peak else None
+        constant = f.prob.objective.constant if f.prob.objective is not None else 0.0
+        cutoff = None if incumbent.chosen is None else incumbent.value * (1 - gap) - constant
         try:
-            chosen, result = _run_cbc(prob, be, xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff)
-        except SolverError:
-            if rounded is None or lower is None:
-                raise
-            # Branch and bound ran out of time without a better plan: the rounded one fits, and the LP (or the count
-            # relaxation) bounds how far from the optimum it can be.
-            value = score(rounded)[1]
-            bound = loss(value, lower)
-            return rounded, SolveResult(
-                f"time limit (within gap {bound:.2g})", bound, time.perf_counter() - started, value, proof
+            chosen, result = _run_cbc(
+                f.prob, f.be, f.xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff, workdir=f.workdir
             )
-        if rounded is not None:
+        except SolverError:
+            if incumbent.chosen is None or lower is None:
+                raise
+            # Branch and bound ran out of time without a better plan: the incumbent fits, and the LP (or the count
+            # relaxation) bounds how far from the optimum it can be.
+            return incumbent.timed_out()
+        if incumbent.chosen is not None:
             if chosen is None:
                 status = "optimal" if gap <= 1e-9 else f"within gap {gap:g}"
-                return rounded, SolveResult(status, gap, time.perf_counter() - started, score(rounded)[1])
-            c_top, c_value = score(chosen)
-            if (rhs is not None and c_top > rhs) or score(rounded)[1] < c_value:
-                chosen = rounded
-        return chosen, dataclasses.replace(result, seconds=time.perf_counter() - started)
+                return incumbent.chosen, SolveResult(status, gap, incumbent.elapsed(), incumbent.value)
+            # CBC's plan stands unless it does not fit or the incumbent is faster (on a tie, CBC's).
+            top, value = incumbent.score(chosen)
+            if not incumbent.fits(top) or incumbent.value < value:
+                chosen = incumbent.chosen
+        return chosen, dataclasses.replace(result, seconds=incumbent.elapsed())
 
     def _count_relaxation(
         self,
@@ -462,6 +595,8 @@ class PlanningProblem:
         counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
         gap: float,
         time_limit: float,
+        *,
+        workdir: str | None = None,
     ) -> tuple[float, dict[tuple[int, Hashable], int], dict[Hashable, Hashable] | None] | None:
         """The lower bound of the count relaxation (see [Note: identical segments]), its integer counts per
         (class, option), and its solution as a plan when every choice in it came out whole (then it is a plan of
@@ -471,7 +606,14 @@ class PlanningProblem:
             x.cat = pulp.LpContinuous
         try:
             _, result = _run_cbc(
-                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), options=_LIGHT
+                prob,
+                be,
+                xs,
+                gap=gap / 4,
+                absolute_gap=None,
+                time_limit=max(time_limit, 1.0),
+                options=_LIGHT,
+                workdir=workdir,
             )
         except SolverError:
             return None
@@ -501,6 +643,8 @@ class PlanningProblem:
         values: Mapping[tuple[int, Hashable], int],
         gap: float,
         time_limit: float,
+        *,
+        workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound with each class of identical segments held to the counts ``values``: where the count
         relaxation's segments go (its time is fixed, only the peak is left to satisfy)."""
@@ -508,7 +652,14 @@ class PlanningProblem:
             n.lowBound = n.upBound = values[k]
         try:
             chosen, _ = _run_cbc(
-                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), options=_LIGHT
+                prob,
+                be,
+                xs,
+                gap=gap / 4,
+                absolute_gap=None,
+                time_limit=max(time_limit, 1.0),
+                options=_LIGHT,
+                workdir=workdir,
             )
         except SolverError:
             chosen = None
@@ -526,6 +677,8 @@ class PlanningProblem:
         fractional: Mapping[Hashable, Sequence[Hashable]],
         gap: float,
         time_limit: float,
+        *,
+        workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound over the fractional choices, the global units and a spread of other segments (every
         other choice fixed to ``start``): finds the swaps rounding misses (one block to full_shard so that
@@ -545,7 +698,9 @@ class PlanningProblem:
                 x.lowBound = x.upBound = value
                 fixed.append(x)
         try:
-            chosen, _ = _run_cbc(prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0))
+            chosen, _ = _run_cbc(
+                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), workdir=workdir
+            )
         except SolverError:
             chosen = None
         finally:
@@ -599,6 +754,14 @@ class PlanningProblem:
     def predict(self, plan: Plan) -> Prediction:
         """The cost model's prediction of ``plan`` (same constants as the ILP)."""
         return _predict(self.profile, plan, self.world_size, self.config)
+
+
+def _check_options(modes: Sequence[str], splits: Sequence[int]) -> None:
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(modes)}")
+    if any(k < 1 for k in splits) or 1 not in splits:
+        raise ValueError(f"splits must be integers >= 1 and include 1, got {tuple(splits)}")
 
 
 def _rhs(budget: int) -> float:
@@ -682,19 +845,21 @@ def _run_cbc(
     time_limit: float,
     cutoff: float | None = None,
     options: Sequence[str] = (),
+    workdir: str | None = None,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound; with ``cutoff`` (objective without its constant) only better plans are searched.
+    """Branch and bound; with ``cutoff`` (objective without its constant) only better plans are searched. Its
+    files are written to ``workdir`` (a :func:`~lightning_osdp.solver.cbc.cbc_workspace`; its own by default).
 
     NOTE: CBC 2.10.3 (pulp's bundled one) mishandles MIP starts on this model: given a feasible start it can
     report the problem "proven infeasible" while better plans exist, and pulp then reads the status as optimal and
     returns the values of an infeasible LP. So no start is passed (the caller keeps its own plan and checks CBC's
     against the budget and its own); a cutoff says the same thing without the start's values.
     """
-    with tempfile.TemporaryDirectory(prefix="osdp_cbc_") as tmp:
+    with cbc_workspace(workdir) as tmp:
         log = os.path.join(tmp, "cbc.log")
         args = [*options, *([f"cutoff {cutoff!r}"] if cutoff is not None else [])]
-        solver = pulp.PULP_CBC_CMD(
-            msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=args
+        solver = cbc_command(
+            tmp, msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=args
         )
         started = time.perf_counter()
         prob.solve(solver)
@@ -718,7 +883,7 @@ def _run_cbc(
         # CBC's log omits the objective's constant: add it back so that the gap is relative to the whole.
         constant = prob.objective.constant if prob.objective is not None else 0.0
         value, lower = float(objective[-1]) + constant, float(bound[-1]) + constant
-        achieved = max((value - lower) / max(abs(value), 1e-12), 0.0)
+        achieved = _relative_gap(value, lower)
     if prob.sol_status == pulp.LpSolutionIntegerFeasible or "Stopped on time" in text:
         status = "time limit"
     elif (achieved is not None and achieved > 1e-9) or (achieved is None and "within gap tolerance" in text):
@@ -834,16 +999,7 @@ def solve(
     problem = PlanningProblem(profile, ws, modes=modes, splits=_splits(splits, max_split), units=units, config=config)
     be = problem.build()
     chosen, result = problem.solve_ilp(be, budget=budget, gap=gap, time_limit=time_limit)
-    # The ILP bounds FSDP2's pending buffers after DDP segments from above (timeline.py's [Note: pending buffers
-    # across DDP segments]); a plan that shards nothing has none, so it is checked exactly.
-    # (The ILP's step time is the predictor's, so only a faster replicated plan is predicted.)
-    replicated = _all_no_shard(problem, be)
-    if replicated is not None and (chosen is None or _ilp_figures(be, replicated)[1] < _ilp_figures(be, chosen)[1]):
-        exact = problem.predict(problem.plan(replicated))
-        if exact.peak_bytes <= budget:
-            if chosen is None:
-                result = SolveResult("optimal", 0.0, result.seconds, exact.step_seconds * 1e3, "exact check")
-            chosen = replicated
+    chosen, result = _check_replicated(problem, be, budget, chosen, result)
     if chosen is None:
         raise _infeasible(problem, budget, time_limit)
     plan = problem.plan(chosen)
@@ -866,6 +1022,28 @@ def solve(
         cbc_seconds=result.seconds,
     )
     return Plan(plan.decisions, info={"source": "lightning_osdp.solver"}, report=report)
+
+
+def _check_replicated(
+    problem: PlanningProblem,
+    be: LinearBackend,
+    budget: int,
+    chosen: dict[Hashable, Hashable] | None,
+    result: SolveResult,
+) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+    """The ILP's answer, or the plan that shards nothing when it is faster and fits by the exact prediction.
+
+    The ILP bounds FSDP2's pending buffers after DDP segments from above (timeline.py's [Note: pending buffers
+    across DDP segments]); a plan that shards nothing has none, so it is checked exactly. (The ILP's step time is
+    the predictor's, so only a faster replicated plan is predicted.)"""
+    replicated = _all_no_shard(problem, be)
+    if replicated is not None and (chosen is None or _ilp_figures(be, replicated)[1] < _ilp_figures(be, chosen)[1]):
+        exact = problem.predict(problem.plan(replicated))
+        if exact.peak_bytes <= budget:
+            if chosen is None:
+                result = SolveResult("optimal", 0.0, result.seconds, exact.step_seconds * 1e3, "exact check")
+            chosen = replicated
+    return chosen, result
 
 
 def _all_no_shard(problem: PlanningProblem, be: LinearBackend) -> dict[Hashable, Hashable] | None:
