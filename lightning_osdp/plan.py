@@ -49,6 +49,8 @@ PLAN_FORMAT = "lightning_osdp.plan"
 PLAN_VERSION = 1
 
 ROOT = ""
+# The solver's `info` is 3 levels deep; Python's JSON encoder (with `indent`) recurses per level.
+_MAX_INFO_NESTING = 64
 
 
 class PlanError(ValueError):
@@ -201,6 +203,9 @@ class Plan:
         info = data.get("info", {})
         if not isinstance(info, dict):
             raise PlanError(f"{source}: field 'info' must be an object")
+        if _nesting(info) > _MAX_INFO_NESTING:
+            # A plan is saved again (beside checkpoints) by an encoder that recurses per level: refuse it now.
+            raise PlanError(f"{source}: field 'info' is nested more than {_MAX_INFO_NESTING} levels deep")
         return cls(decisions, info=info)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -214,16 +219,24 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """Read a plan file written by :meth:`save` (or by hand)."""
+        """Read a plan file written by :meth:`save` (or by hand); anything that is not one raises :class:`PlanError`."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise PlanError(f"plan file {str(path)!r} does not exist") from None
+        except IsADirectoryError:
+            raise PlanError(f"plan file {str(path)!r} is a directory; give the path of a plan's JSON file") from None
+        except UnicodeDecodeError as err:
+            raise PlanError(f"{path}: not a plan file (not UTF-8 text: {err.reason} at byte {err.start})") from None
+        except OSError as err:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {err.strerror or err}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise PlanError(f"{path}: not valid JSON ({err})") from None
+        except RecursionError:
+            raise PlanError(f"{path}: not a plan file (its JSON is nested too deeply to read)") from None
         return cls.from_dict(data, source=str(path))
 
     def summary(self) -> str:
@@ -272,6 +285,19 @@ def _as_decision(name: str, value: Any) -> Decision:
     except PlanError as err:
         raise PlanError(f"module {name!r}: {err}") from None
     raise PlanError(f"module {name!r}: cannot read a decision from {value!r}")
+
+
+def _nesting(value: Any) -> int:
+    """How many levels of lists and objects ``value`` has (iteratively: the depth may be anything)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _closest(name: str, modules: Mapping[str, nn.Module]) -> str | None:
