@@ -149,17 +149,9 @@ class Plan:
                     "LightningModule.named_modules()"
                 )
             if decision.split > 1:
-                target = modules[name]
-                if not isinstance(target, nn.Linear):
-                    raise PlanError(
-                        f"module {name!r}: split={decision.split} needs an nn.Linear, got {type(target).__name__}"
-                    )
-                if target.out_features < decision.split:
-                    raise PlanError(
-                        f"module {name!r}: split={decision.split} exceeds out_features={target.out_features}"
-                    )
-                if any(sub is not target for _, sub in target.named_modules()):
-                    raise PlanError(f"module {name!r}: cannot split a Linear subclass with submodules")
+                reason = unsplittable_reason(name, decision.split, modules)
+                if reason:
+                    raise PlanError(f"module {name!r}: split={decision.split} {reason}")
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -285,6 +277,52 @@ def _as_decision(name: str, value: Any) -> Decision:
     except PlanError as err:
         raise PlanError(f"module {name!r}: {err}") from None
     raise PlanError(f"module {name!r}: cannot read a decision from {value!r}")
+
+
+def unsplittable_reason(name: str, k: int, modules: Mapping[str, nn.Module]) -> str | None:
+    """Why module ``name`` cannot take ``split=k`` (the text follows "split=k"), or ``None`` when it can.
+
+    A split replaces the module by ``k`` plain ``nn.Linear`` slices whose outputs are concatenated (see
+    :mod:`lightning_osdp.apply.split`): what ``nn.Linear.forward`` computes from the weight and bias, when the module
+    is called. Anything else the module does would be lost silently, so only such a module is split.
+    """
+    target = modules[name]
+    if not isinstance(target, nn.Linear):
+        return f"needs an nn.Linear, got {type(target).__name__}"
+    kind = type(target).__name__
+    if type(target).forward is not nn.Linear.forward:
+        return (
+            f"needs nn.Linear's own forward, and {kind} defines its own, which the slices would not run (only modules "
+            "whose forward is nn.Linear.forward are split)"
+        )
+    parent = modules[name.rpartition(".")[0]]
+    if isinstance(parent, nn.MultiheadAttention):
+        return (
+            f"needs a module that is called: {type(parent).__name__} reads its output projection's weight directly "
+            "and never calls its forward"
+        )
+    if any(sub is not target for _, sub in target.named_modules()):
+        return f"needs a Linear without submodules ({kind} has some)"
+    extra = sorted(
+        {n for n, _ in target.named_parameters()} - {"weight", "bias"} | {n for n, _ in target.named_buffers()}
+    )
+    if extra:
+        return f"needs a Linear with no state besides its weight and bias ({kind} has {', '.join(extra)})"
+    hooks = [
+        what
+        for what, registered in (
+            ("forward pre-hooks", target._forward_pre_hooks),
+            ("forward hooks", target._forward_hooks),
+            ("backward hooks", target._backward_hooks),
+            ("backward pre-hooks", target._backward_pre_hooks),
+        )
+        if registered
+    ]
+    if hooks:
+        return f"needs a module without hooks: it has {' and '.join(hooks)}, which the slices would not run"
+    if target.out_features < k:
+        return f"exceeds out_features={target.out_features}"
+    return None
 
 
 def _nesting(value: Any) -> int:
