@@ -31,7 +31,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -51,6 +50,7 @@ from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.step_monitor import StepMonitor
+from lightning_osdp.watchdog import _OSDPSubprocessScriptLauncher
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -84,7 +84,8 @@ class OSDPStrategy(ParallelStrategy):
             (longer only when ``solver_time_limit`` is above 60 s); see ``docs/troubleshooting.md`` for why, and when
             to raise it.
         start_method: ``"popen"`` (Lightning's subprocess launcher, the default), ``"spawn"``, ``"fork"`` or
-            ``"forkserver"``.
+            ``"forkserver"``. Under ``"popen"`` the ranks it starts end when rank 0 ends, and rank 0 ends with an
+            error when one of them fails.
         memory_steps: on CPU, how many of the first optimizer steps are run under the live-storage tracker
             that measures peak memory (it costs Python time per operator); 0 measures none. CUDA measures every
             step.
@@ -257,7 +258,9 @@ class OSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _OSDPSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, exit_wait=self._timeout
+            )
         else:
             self._launcher = _OSDPMultiProcessingLauncher(self, start_method=self._start_method)
 
