@@ -86,9 +86,14 @@ class _OSDPSubprocessScriptLauncher(_SubprocessScriptLauncher):
             return _run(super().launch, function, *args, trainer=trainer, **kwargs)
         # Lightning's `launch`, with `_RankWatch` in place of its child-process observer.
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # copied into the ranks' environment
-        self._call_children_scripts()
-        _WATCH = _RankWatch(self.procs, exit_wait=self._exit_wait.total_seconds())
+        # Only the ranks started here may see the marker: not rank 0's later subprocesses (a torchrun job, say).
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        try:
+            self._call_children_scripts()  # copies os.environ into each rank's environment
+        finally:
+            del os.environ[LAUNCHER_PID_ENV]
+        if self.procs:
+            _WATCH = _RankWatch(self.procs, exit_wait=self._exit_wait.total_seconds())
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return _run(function, *args, **kwargs)
 
@@ -163,9 +168,10 @@ _WATCH: _RankWatch | None = None
 
 def tie_to_launcher() -> None:
     """In a rank started by rank 0's launcher: die when rank 0 dies; raise if it is already gone."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if launcher is None or int(launcher) == os.getpid():
-        return  # not started by our launcher (torchrun, SLURM), or rank 0 itself running a second `fit`
+    # Taken out of the environment, so that this rank's own subprocesses do not take it for their launcher.
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is None:
+        return  # not started by our launcher (torchrun, SLURM, rank 0 itself), or tied already by an earlier `fit`
     parent = int(launcher)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)

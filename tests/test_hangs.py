@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, child_env
+from conftest import ROOT, child_env, free_port
 
 RUNNER = ROOT / "tests" / "distributed" / "hang_runner.py"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -159,6 +159,35 @@ def test_rank_0_waits_for_its_ranks_to_finish_the_script(start: Start) -> None:
     assert run.wait_until(lambda: run.rank0.poll() is not None, 100), run.output()
     assert run.marked("fitted", 0) and run.marked("lingered", 1), run.output()
     assert_no_survivor(run, time.monotonic() - run.started + 10)
+
+
+def test_the_launcher_marker_reaches_only_the_ranks_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit in this process (rank 0 of one rank) leaves no marker behind: a torchrun job started from here later must
+    not take this process for its launcher (it did, and every rank of it raised)."""
+    import lightning as L
+
+    from lightning_osdp import OSDPStrategy, Plan
+    from lightning_osdp.watchdog import LAUNCHER_PID_ENV
+
+    from models import TinyGPT, loaders
+
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    model = TinyGPT()
+    trainer = L.Trainer(
+        strategy=OSDPStrategy(plan=Plan({"": "full_shard"})),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loaders()[0])
+    assert len(model.losses) == 1
+    assert LAUNCHER_PID_ENV not in os.environ
 
 
 def test_the_default_timeout_fails_a_hang_in_minutes_and_outlasts_the_solve() -> None:
