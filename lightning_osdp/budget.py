@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from fractions import Fraction
@@ -34,7 +35,7 @@ _PATTERN = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*$")
 _ACCEPTED = "bytes (a whole number >= 1) or a string with a unit, such as '512MiB', '6GiB' or '8GB'"
 
 
-def parse_memory_budget(value: int | float | str) -> int:
+def parse_memory_budget(value: float | str) -> int:
     """Bytes from a number, or from a string such as ``"512MiB"``, ``"6GiB"``, ``"8GB"`` or ``"1.5 GiB"``.
 
     ``KiB/MiB/GiB/TiB`` are powers of 1024, ``kB/MB/GB/TB`` powers of 1000 (as on a GPU's data sheet). A number, or
@@ -42,7 +43,7 @@ def parse_memory_budget(value: int | float | str) -> int:
     a larger unit, a fraction of a byte is dropped (``"1.0001 KiB"`` is 1,024 bytes). The result is at least one
     byte: ``"0.1B"``, ``0``, NaN, infinities, negative values and ``True``/``False`` raise :class:`ValueError`.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise ValueError(f"memory budget must be {_ACCEPTED}, got {value!r}")
     if isinstance(value, str):
         match = _PATTERN.match(value)
@@ -50,7 +51,7 @@ def parse_memory_budget(value: int | float | str) -> int:
             raise ValueError(f"cannot parse memory budget {value!r}: use {_ACCEPTED}")
         # Exact decimal arithmetic: "1.5 TiB" must not round through a float.
         amount, scale = Fraction(match.group(1)), _UNITS[match.group(2).lower()]
-    elif isinstance(value, float) and not math.isfinite(value):
+    elif not math.isfinite(value):
         raise ValueError(f"memory budget must be a positive, finite amount, got {value!r}")
     else:
         amount, scale = Fraction(value), 1

@@ -73,7 +73,7 @@ def check_plan(value: Any) -> Plan | None:
     """``None``, a :class:`~lightning_osdp.Plan`, or a plan file's path (read now, so that a bad file fails here)."""
     if value is None or isinstance(value, Plan):
         return value
-    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+    if isinstance(value, (str, os.PathLike)):
         if str(value) == "":
             raise PlanError("OSDPStrategy(plan=...): the plan file path is empty (pass None to plan automatically)")
         return Plan.load(value)
@@ -127,7 +127,9 @@ def check_plan_out(value: Any) -> Path | None:
     if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"OSDPStrategy(plan_out=...) takes a file path (str or os.PathLike), got {value!r}")
     path = Path(value)
-    if str(value) == "" or path.is_dir():
+    if str(value) == "":
+        raise ValueError("OSDPStrategy(plan_out=...) is an empty path (pass None for the logger's directory)")
+    if path.is_dir():
         raise ValueError(
             f"OSDPStrategy(plan_out=...) must name a file, got the directory {str(value)!r} (for example "
             f"{str(path / 'osdp_plan.json')!r})"

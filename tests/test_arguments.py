@@ -30,6 +30,7 @@ from models import TinyGPT
         ({"solver_time_limit": math.inf}, ValueError, "solver_time_limit=...) takes a positive number of seconds"),
         ({"memory_steps": "3"}, TypeError, "memory_steps=...) takes an integer >= 0, got '3'"),
         ({"memory_steps": -1}, ValueError, "memory_steps=...) must be an integer >= 0, got -1"),
+        ({"plan_out": ""}, ValueError, "plan_out=...) is an empty path"),
         ({"plan_out": 123}, TypeError, "plan_out=...) takes a file path (str or os.PathLike), got 123"),
         ({"process_group_backend": "bogus"}, ValueError, "process_group_backend=...) takes None, one of ['gloo'"),
         (
