@@ -221,3 +221,26 @@ def test_the_timeout_reaches_the_process_group(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert float(proc.stdout.strip().splitlines()[-1]) == 300.0
+
+
+def test_the_lightning_internals_the_launcher_builds_on_are_where_it_expects() -> None:
+    """``lightning_osdp/watchdog.py`` re-implements ``_SubprocessScriptLauncher.launch`` around these private names:
+    if a Lightning release moves one, this fails by name."""
+    import inspect
+
+    from lightning.fabric.utilities import distributed
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    assert callable(getattr(_SubprocessScriptLauncher, "_call_children_scripts", None))
+    assert callable(getattr(distributed, "_set_num_threads_if_needed", None))
+    launch = inspect.getsource(_SubprocessScriptLauncher.launch)
+    for step in (
+        "validate_settings",
+        "_call_children_scripts()",
+        "_launch_process_observer",
+        "_set_num_threads_if_needed",
+    ):
+        assert step in launch, step
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    assert launcher.procs == []  # the list the children are appended to, which the watch reads
