@@ -76,6 +76,7 @@ __all__ = [
     "fit_train_dataloader",
     "init_dist_connection",
     "optimizers_to_device",
+    "set_num_threads_if_needed",
     "storage_resize_hook",
     "sync_ddp_if_available",
     "tree_leaves",
@@ -250,6 +251,18 @@ def init_dist_connection(
     from lightning.fabric.utilities.distributed import _init_dist_connection
 
     _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
+
+
+def set_num_threads_if_needed(num_processes: int) -> None:
+    """Lightning's default of ``OMP_NUM_THREADS`` for several processes on a node (one thread per process unless the
+    user set it), as its subprocess launcher applies before starting the ranks.
+
+    ``lightning.fabric.utilities.distributed._set_num_threads_if_needed`` (2.6): OSDP's watchdog launcher
+    (``watchdog.py``) re-implements ``launch`` around Lightning's and must apply it the same way.
+    """
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+    _set_num_threads_if_needed(num_processes=num_processes)
 
 
 def sync_ddp_if_available(tensor: torch.Tensor, group: Any | None, reduce_op: ReduceOp | str | None) -> torch.Tensor:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
+from fractions import Fraction
 
 import torch
 
@@ -28,31 +31,38 @@ _UNITS = {
     "m": 2**20,
     "g": 2**30,
 }
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([a-zA-Z]*)\s*$")
+_ACCEPTED = "bytes (a whole number >= 1) or a string with a unit, such as '512MiB', '6GiB' or '8GB'"
 
 
-def parse_memory_budget(value: int | float | str) -> int:
-    """Bytes from an int, or from a string such as ``"512MiB"``, ``"6GiB"``, ``"8GB"`` or ``"1.5 GiB"``.
+def parse_memory_budget(value: float | str) -> int:
+    """Bytes from a number, or from a string such as ``"512MiB"``, ``"6GiB"``, ``"8GB"`` or ``"1.5 GiB"``.
 
-    ``KiB/MiB/GiB/TiB`` are powers of 1024, ``kB/MB/GB/TB`` powers of 1000 (as on a GPU's data sheet).
+    ``KiB/MiB/GiB/TiB`` are powers of 1024, ``kB/MB/GB/TB`` powers of 1000 (as on a GPU's data sheet). A number, or
+    a string without a unit or in ``B``, counts bytes and must be whole (``4e9`` is accepted, ``0.5`` is not); with
+    a larger unit, a fraction of a byte is dropped (``"1.0001 KiB"`` is 1,024 bytes). The result is at least one
+    byte: ``"0.1B"``, ``0``, NaN, infinities, negative values and ``True``/``False`` raise :class:`ValueError`.
     """
-    if isinstance(value, bool):
-        raise ValueError(f"memory budget must be bytes or a string like '6GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"memory budget must be positive, got {value!r}")
-        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise ValueError(f"memory budget must be {_ACCEPTED}, got {value!r}")
     if isinstance(value, str):
         match = _PATTERN.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            if number <= 0:
-                raise ValueError(f"memory budget must be positive, got {value!r}")
-            return int(number)
-    raise ValueError(
-        f"cannot parse memory budget {value!r}: use bytes (an int) or a number with a unit, "
-        "such as '512MiB', '6GiB' or '8GB'"
-    )
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse memory budget {value!r}: use {_ACCEPTED}")
+        # Exact decimal arithmetic: "1.5 TiB" must not round through a float.
+        amount, scale = Fraction(match.group(1)), _UNITS[match.group(2).lower()]
+    elif not math.isfinite(value):
+        raise ValueError(f"memory budget must be a positive, finite amount, got {value!r}")
+    else:
+        amount, scale = Fraction(value), 1
+    if amount <= 0:
+        raise ValueError(f"memory budget must be positive, got {value!r}")
+    if scale == 1 and amount.denominator != 1:
+        raise ValueError(f"memory budget {value!r} is a fraction of a byte: a count of bytes must be whole")
+    size = int(amount * scale)
+    if size < 1:
+        raise ValueError(f"memory budget {value!r} is less than one byte")
+    return size
 
 
 def device_memory_capacity(device: torch.device, local_world_size: int = 1) -> int:

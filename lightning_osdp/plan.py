@@ -51,6 +51,9 @@ PLAN_FORMAT = "lightning_osdp.plan"
 #: ``version`` field of a plan file this release writes and reads.
 PLAN_VERSION = 1
 
+# The solver's `info` is 3 levels deep; Python's JSON encoder (with `indent`) recurses per level.
+_MAX_INFO_NESTING = 64
+
 
 class PlanError(ValueError):
     """A plan, or a plan file, that cannot be applied; the message names the offending entry."""
@@ -156,17 +159,9 @@ class Plan:
                     "LightningModule.named_modules()"
                 )
             if decision.split > 1:
-                target = modules[name]
-                if not isinstance(target, nn.Linear):
-                    raise PlanError(
-                        f"module {name!r}: split={decision.split} needs an nn.Linear, got {type(target).__name__}"
-                    )
-                if target.out_features < decision.split:
-                    raise PlanError(
-                        f"module {name!r}: split={decision.split} exceeds out_features={target.out_features}"
-                    )
-                if any(sub is not target for _, sub in target.named_modules()):
-                    raise PlanError(f"module {name!r}: cannot split a Linear subclass with submodules")
+                reason = unsplittable_reason(name, decision.split, modules)
+                if reason:
+                    raise PlanError(f"module {name!r}: split={decision.split} {reason}")
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -213,6 +208,9 @@ class Plan:
         info = data.get("info", {})
         if not isinstance(info, dict):
             raise PlanError(f"{source}: field 'info' must be an object")
+        if _nesting(info) > _MAX_INFO_NESTING:
+            # A plan is saved again (beside checkpoints) by an encoder that recurses per level: refuse it now.
+            raise PlanError(f"{source}: field 'info' is nested more than {_MAX_INFO_NESTING} levels deep")
         if data.get("report") is None:
             # A file from before reports existed: the solver's figures are in `info` only.
             return cls(decisions, info=info, report=SolveReport.from_info(info))
@@ -233,16 +231,24 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        """Read a plan file written by :meth:`save` (or by hand)."""
+        """Read a plan file written by :meth:`save` (or by hand); anything that is not one raises :class:`PlanError`."""
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise PlanError(f"plan file {str(path)!r} does not exist") from None
+        except IsADirectoryError:
+            raise PlanError(f"plan file {str(path)!r} is a directory; give the path of a plan's JSON file") from None
+        except UnicodeDecodeError as err:
+            raise PlanError(f"{path}: not a plan file (not UTF-8 text: {err.reason} at byte {err.start})") from None
+        except OSError as err:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {err.strerror or err}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise PlanError(f"{path}: not valid JSON ({err})") from None
+        except RecursionError:
+            raise PlanError(f"{path}: not a plan file (its JSON is nested too deeply to read)") from None
         return cls.from_dict(data, source=str(path))
 
     def summary(self) -> str:
@@ -291,6 +297,65 @@ def _as_decision(name: str, value: Any) -> Decision:
     except PlanError as err:
         raise PlanError(f"module {name!r}: {err}") from None
     raise PlanError(f"module {name!r}: cannot read a decision from {value!r}")
+
+
+def unsplittable_reason(name: str, k: int, modules: Mapping[str, nn.Module]) -> str | None:
+    """Why module ``name`` cannot take ``split=k`` (the text follows "split=k"), or ``None`` when it can.
+
+    A split replaces the module by ``k`` plain ``nn.Linear`` slices whose outputs are concatenated (see
+    :mod:`lightning_osdp.apply.split`): what ``nn.Linear.forward`` computes from the weight and bias, when the module
+    is called. Anything else the module does would be lost silently, so only such a module is split.
+    """
+    target = modules[name]
+    if not isinstance(target, nn.Linear):
+        return f"needs an nn.Linear, got {type(target).__name__}"
+    kind = type(target).__name__
+    if type(target).forward is not nn.Linear.forward:
+        return (
+            f"needs nn.Linear's own forward, and {kind} defines its own, which the slices would not run (only modules "
+            "whose forward is nn.Linear.forward are split)"
+        )
+    parent = modules[name.rpartition(".")[0]]
+    if isinstance(parent, nn.MultiheadAttention):
+        return (
+            f"needs a module that is called: {type(parent).__name__} reads its output projection's weight directly "
+            "and never calls its forward"
+        )
+    if any(sub is not target for _, sub in target.named_modules()):
+        return f"needs a Linear without submodules ({kind} has some)"
+    extra = sorted(
+        {n for n, _ in target.named_parameters()} - {"weight", "bias"} | {n for n, _ in target.named_buffers()}
+    )
+    if extra:
+        return f"needs a Linear with no state besides its weight and bias ({kind} has {', '.join(extra)})"
+    hooks = [
+        what
+        for what, registered in (
+            ("forward pre-hooks", target._forward_pre_hooks),
+            ("forward hooks", target._forward_hooks),
+            ("backward hooks", target._backward_hooks),
+            ("backward pre-hooks", target._backward_pre_hooks),
+        )
+        if registered
+    ]
+    if hooks:
+        return f"needs a module without hooks: it has {' and '.join(hooks)}, which the slices would not run"
+    if target.out_features < k:
+        return f"exceeds out_features={target.out_features}"
+    return None
+
+
+def _nesting(value: Any) -> int:
+    """How many levels of lists and objects ``value`` has (iteratively: the depth may be anything)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _closest(name: str, modules: Mapping[str, nn.Module]) -> str | None:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -34,8 +33,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
+from lightning_osdp import options
 from lightning_osdp._compat import (
-    SubprocessScriptLauncher,
     fit_ckpt_path,
     fit_train_dataloader,
     init_dist_connection,
@@ -43,7 +42,7 @@ from lightning_osdp._compat import (
     sync_ddp_if_available,
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
-from lightning_osdp.budget import device_memory_capacity, format_bytes, parse_memory_budget
+from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
@@ -51,6 +50,7 @@ from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import StepMonitor
+from lightning_osdp.watchdog import _OSDPSubprocessScriptLauncher
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,39 +70,49 @@ class OSDPStrategy(ParallelStrategy):
     """Optimal Sharded Data Parallel: each module replicated (DDP) or sharded (ZeRO-2/ZeRO-3), as a plan says.
 
     Args:
-        memory_budget: per-device memory the plan must fit, in bytes or as a string (``"512MiB"``, ``"6GiB"``,
-            ``"8GB"``). ``None`` means the device's capacity (see
+        memory_budget: per-device memory the plan must fit, in bytes (a whole number, ``4e9`` included) or as a
+            string (``"512MiB"``, ``"6GiB"``, ``"8GB"``). ``None`` means the device's capacity (see
             :func:`~lightning_osdp.budget.device_memory_capacity`).
         plan: a :class:`~lightning_osdp.Plan`, or the path (``str`` or ``os.PathLike``) of a plan file; applied
             as is when given. Without one the strategy profiles the model on the first training batch and solves
             for the fastest plan under ``memory_budget`` (a resumed run reuses its checkpoint's plan when the
             world size and the requested budget are unchanged). Annotated ``Any`` so that LightningCLI hands a
             YAML path through unchanged: jsonargparse would otherwise read the file as the ``Plan`` dataclass.
-        process_group_backend: ``"gloo"``/``"nccl"``; default by device.
-        timeout: process-group timeout.
+        process_group_backend: ``None`` (``"gloo"`` on CPU, ``"nccl"`` on CUDA), a backend ``torch.distributed``
+            knows and this torch build has, or per-device backends such as ``"cpu:gloo,cuda:nccl"``.
+        timeout: the process-group timeout, a ``timedelta`` or a number of seconds (YAML: ``300`` or
+            ``"0:05:00"``): how long any collective waits for a rank before the run fails. ``None`` is 5 minutes
+            (longer only when ``solver_time_limit`` is above 60 s); see ``docs/troubleshooting.md`` for why, and when
+            to raise it.
         start_method: ``"popen"`` (Lightning's subprocess launcher, the default), ``"spawn"``, ``"fork"`` or
-            ``"forkserver"``.
+            ``"forkserver"``. Under ``"popen"`` the ranks it starts end when rank 0 ends, and rank 0 ends with an
+            error when one of them fails.
         memory_steps: on CPU, how many of the first optimizer steps are run under the live-storage tracker
-            that measures peak memory (it costs Python time per operator). CUDA measures every step.
+            that measures peak memory (it costs Python time per operator); 0 measures none. CUDA measures every
+            step.
         modes: the modes the planner may choose from: ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP,
             ``("shard_grad_op",)`` ZeRO-2.
         max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
-        plan_out: where the chosen plan is saved (with the profile beside it as ``*.profile.json``); default
+        plan_out: the file the chosen plan is saved to (with the profile beside it as ``*.profile.json``); default
             ``osdp_plan.json`` in the logger's directory.
-        solver_time_limit: seconds the ILP solver may take; the plan records whether it is proven optimal.
+        solver_time_limit: seconds the ILP solver may take (a positive number); the plan records whether it is
+            proven optimal.
         memory_headroom: the fraction of the budget the planner keeps free: it plans against
             ``memory_budget * (1 - memory_headroom)``, exactly as ``osdp plan --memory`` does (both call
             :func:`~lightning_osdp.solver.plan_model`; see ``lightning_osdp/solver/policy.py`` [Note: headroom]).
         state_dict_type: ``"sharded"`` (default): checkpoints are directories that every rank writes its shards
             into, in parallel (torch.distributed.checkpoint); ``"full"``: one consolidated file written by rank 0.
             Either loads under any plan and world size (see ``docs/checkpointing.md``).
+
+    Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
+    wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
     """
 
     strategy_name = "osdp"
 
     def __init__(
         self,
-        memory_budget: int | str | None = None,
+        memory_budget: int | float | str | None = None,
         plan: Any = None,
         *,
         accelerator: Any = None,
@@ -111,7 +121,7 @@ class OSDPStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = None,
         start_method: _StartMethod = "popen",
         memory_steps: int = 3,
         state_dict_type: osdp_checkpoint.StateDictType = "sharded",
@@ -128,36 +138,27 @@ class OSDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        # Parse early: a bad budget string or plan file is an error at construction, before any process starts.
-        self._memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
+        # Every argument is checked here, before any process starts (lightning_osdp/options.py).
+        self._memory_budget = options.check_memory_budget(memory_budget)
         # What the user asked for (None: the device's capacity, which drifts between runs on a CPU); a resumed run
         # reuses its checkpoint's plan when this is unchanged.
         self._requested_budget = self._memory_budget
-        unknown = [m for m in modes if m not in MODES]
-        if unknown or not modes:
-            raise ValueError(f"modes must be a non-empty subset of {MODES}, got {tuple(modes)!r}")
-        if isinstance(max_split, bool) or not isinstance(max_split, int) or max_split < 1:
-            raise ValueError(f"max_split must be an integer >= 1, got {max_split!r}")
-        self._modes = tuple(modes)
-        self._max_split = max_split
-        self._plan_out = plan_out
-        self._solver_time_limit = solver_time_limit
-        if not 0.0 <= memory_headroom < 0.5:
-            raise ValueError(f"memory_headroom must be in [0, 0.5), got {memory_headroom!r}")
-        self._memory_headroom = memory_headroom
+        self._modes = options.check_modes(modes)
+        self._max_split = options.check_max_split(max_split)
+        self._plan_out = options.check_plan_out(plan_out)
+        self._solver_time_limit = options.check_solver_time_limit(solver_time_limit)
+        self._memory_headroom = options.check_memory_headroom(memory_headroom)
         self._profile: ModelProfile | None = None
         self._prediction_check: PredictionCheck | None = None
-        if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
-            raise TypeError(f"plan must be a lightning_osdp.Plan or a plan file path, got {type(plan).__name__}")
-        self._plan: Plan | None = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan else None)
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
+        self._plan: Plan | None = options.check_plan(plan)
+        self._process_group_backend = options.check_process_group_backend(process_group_backend)
+        self._timeout = options.check_timeout(
+            timeout, solver_time_limit=self._solver_time_limit, planning=self._plan is None
+        )
+        self._start_method = options.check_start_method(start_method)
         self._device_mesh: DeviceMesh | None = None
-        self._memory_steps = memory_steps
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
-        self._state_dict_type: osdp_checkpoint.StateDictType = state_dict_type
+        self._memory_steps = options.check_memory_steps(memory_steps)
+        self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
         self._monitor: StepMonitor | None = None
         self._root: OSDPModule | ReplicatedModule | None = None
         self.num_nodes = 1
@@ -177,6 +178,11 @@ class OSDPStrategy(ParallelStrategy):
     def memory_headroom(self) -> float:
         """The fraction of the budget the planner keeps free."""
         return self._memory_headroom
+
+    @property
+    def timeout(self) -> timedelta:
+        """The process-group timeout: how long a collective waits for a rank before the run fails."""
+        return self._timeout
 
     @property
     def profile(self) -> ModelProfile | None:
@@ -302,7 +308,9 @@ class OSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _OSDPSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes, exit_wait=self._timeout
+            )
         else:
             self._launcher = _OSDPMultiProcessingLauncher(self, start_method=self._start_method)
 

@@ -47,7 +47,7 @@ from lightning_osdp._compat import ddp_ignore_parameters
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.comm import ReleasingAllGather, reduce_scatter_comm, releases_all_gather_after_forward
 from lightning_osdp.grouping import ROOT, CommunicationUnit, communication_units, tied_holders
-from lightning_osdp.plan import Plan
+from lightning_osdp.plan import Plan, PlanError
 
 __all__ = [
     "OSDPModule",
@@ -146,6 +146,15 @@ def apply_plan(
     if mesh.ndim != 1:
         raise ValueError(f"apply_plan expects a 1-D data-parallel mesh, got {mesh}")
     units = plan_units(module, plan)
+    if all(d.mode == "no_shard" for d in plan.decisions.values()) and not any(
+        p.requires_grad for p in module.parameters()
+    ):
+        # DDP refuses such a module in its constructor; say why in the plan's terms, before anything is modified.
+        raise PlanError(
+            "the plan replicates the whole model (every decision no_shard, which runs on DDP), but the model has no "
+            "trainable parameters (none has requires_grad=True), so there is nothing for DDP to synchronise: "
+            "unfreeze the parameters to train, or shard a unit to run the frozen model on several ranks"
+        )
     for name, decision in plan.decisions.items():
         if decision.split > 1:
             split_linear(module, name, decision.split)

@@ -7,12 +7,18 @@ slice (``k`` times). Cutting along ``out_features`` needs no reduction at all: s
 unsplit output bit for bit in exact arithmetic, with each bias entry added exactly once. Each slice is its own
 communication unit, so under a sharded mode only one slice's parameters need to be gathered at a time: the
 transient peak of gathered parameters falls from ``P`` to about ``P / k``, for ``k`` collectives' latency.
+
+The slices compute what ``nn.Linear.forward`` computes, when the module is called: a subclass with its own forward,
+a Linear whose parent reads its weight without calling it (``MultiheadAttention.out_proj``), or one with other
+state or hooks is refused (:meth:`lightning_osdp.Plan.validate` says which and why).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from lightning_osdp.plan import PlanError, unsplittable_reason
 
 __all__ = ["SplitLinear", "split_linear"]
 
@@ -26,6 +32,11 @@ class SplitLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, k: int) -> None:
         super().__init__()
+        if type(linear).forward is not nn.Linear.forward:
+            raise ValueError(
+                f"{type(linear).__name__} defines its own forward, which the slices would not run: only modules whose "
+                "forward is nn.Linear.forward can be split"
+            )
         if k < 1 or k > linear.out_features:
             raise ValueError(f"split factor must be in [1, {linear.out_features}], got {k}")
         self.in_features = linear.in_features
@@ -71,10 +82,15 @@ class SplitLinear(nn.Module):
 
 
 def split_linear(root: nn.Module, name: str, k: int) -> SplitLinear:
-    """Replace the ``nn.Linear`` at ``root.get_submodule(name)`` by a :class:`SplitLinear` in place."""
+    """Replace the ``nn.Linear`` at ``root.get_submodule(name)`` by a :class:`SplitLinear` in place.
+
+    Raises :class:`~lightning_osdp.PlanError` for a module a split would change (see
+    :meth:`lightning_osdp.Plan.validate`)."""
+    reason = unsplittable_reason(name, k, dict(root.named_modules()))
+    if reason is not None:
+        raise PlanError(f"module {name!r}: split={k} {reason}")
     linear = root.get_submodule(name)
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"module {name!r} is {type(linear).__name__}, only nn.Linear can be split")
+    assert isinstance(linear, nn.Linear)
     parent_name, _, attr = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     replacement = SplitLinear(linear, k)
