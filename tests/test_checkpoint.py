@@ -28,6 +28,7 @@ from lightning_osdp import checkpoint as ckpt
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import layout
+from lightning_osdp.checkpoint.consolidate import main as consolidate_main
 from lightning_osdp.checkpoint.keys import (
     check_model_keys,
     check_optimizer_state,
@@ -64,6 +65,22 @@ def test_slice_names_map_to_the_unsplit_model_names_and_rows() -> None:
     canonical = slices.canonical_param_groups(groups)
     assert canonical == [{"lr": 0.1, "params": ["0.weight", "0.bias"]}]
     assert sorted(slices.sliced_param_groups(canonical)[0]["params"]) == sorted(sliced)
+
+
+def test_consolidation_is_one_module_whose_command_runs_without_warnings() -> None:
+    module = sys.modules["lightning_osdp.checkpoint.consolidate"]
+    assert ckpt.consolidate is module.consolidate and callable(ckpt.consolidate)
+    assert importlib.util.find_spec("lightning_osdp.checkpoint.consolidation") is None
+    proc = subprocess.run(
+        [sys.executable, "-W", "default", "-m", "lightning_osdp.checkpoint.consolidate", "--help"],
+        env=child_env(PYTHONWARNINGS="default"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and "osdp consolidate" in proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr
 
 
 def test_optimizer_states_convert_to_and_from_pytorch_format() -> None:
@@ -393,7 +410,7 @@ def test_consolidated_checkpoint_loads_without_osdp_and_equals_what_ddp_writes(r
     # A half-written directory is refused by the command too.
     half = tmp_path / "x.ckpt.tmp-1"
     half.mkdir()
-    assert ckpt.consolidation.main([str(half), str(tmp_path / "y.ckpt")]) == 2  # `osdp consolidate`'s refusal
+    assert consolidate_main([str(half), str(tmp_path / "y.ckpt")]) == 2  # `osdp consolidate`'s refusal
 
 
 # ============================================================================================== kill during save

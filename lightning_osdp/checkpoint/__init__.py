@@ -7,8 +7,10 @@ the first into the second. Saves are atomic; incomplete or mismatched checkpoint
 names the problem. See ``docs/checkpointing.md``.
 """
 
+import warnings
+
 from lightning_osdp.apply.state_dict import SliceMap
-from lightning_osdp.checkpoint.consolidation import consolidate
+from lightning_osdp.checkpoint.consolidate import consolidate
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.dispatch import (
     StateDictType,
@@ -74,3 +76,11 @@ __all__ = [
     "sharded_model_state",
     "sharded_optimizer_state",
 ]
+
+# NOTE: the module `consolidate` is named after the function it defines, which this package exports under the same
+# name, so `python -m lightning_osdp.checkpoint.consolidate` finds the module already imported (by the import
+# above) and runpy warns that this "may result in unpredictable behaviour". It cannot here: the module holds no
+# state, and run as __main__ it only calls `main`. Only that one warning is silenced.
+warnings.filterwarnings(
+    "ignore", message=r"'lightning_osdp\.checkpoint\.consolidate' found in sys\.modules", category=RuntimeWarning
+)
