@@ -32,6 +32,8 @@ from lightning_osdp.checkpoint.consolidate import main as consolidate_main
 from lightning_osdp.checkpoint.keys import (
     check_model_keys,
     check_optimizer_state,
+    named_param_groups,
+    optimizer_param_names,
     optimizer_state_from_native,
     optimizer_state_to_native,
     split_state_keys,
@@ -81,6 +83,20 @@ def test_consolidation_is_one_module_whose_command_runs_without_warnings() -> No
     )
     assert proc.returncode == 0 and "osdp consolidate" in proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr
+
+
+def test_slice_map_is_the_one_translation_of_names_shapes_and_optimizer_groups() -> None:
+    model = nn.Sequential(nn.Linear(4, 85), nn.Linear(85, 3))
+    split_linear(model, "0", 4)
+    slices = SliceMap.of(model)
+    live = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # Every slice of `0` names the unsplit parameter and its whole shape: what a checkpoint holds.
+    assert slices.canonical_shapes(live) == {"0.weight": (85, 4), "0.bias": (85,), "1.weight": (3, 85), "1.bias": (3,)}
+    optimizer = torch.optim.SGD([{"params": model[1].parameters()}, {"params": model[0].parameters(), "lr": 2.0}])
+    # The optimizer's parameters in the unsplit model's names, numbered as on the unsplit model: via the same map.
+    assert optimizer_param_names(model, optimizer) == [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
+    grouped = slices.canonical_param_groups(named_param_groups(model, optimizer))
+    assert [g["params"] for g in grouped] == optimizer_param_names(model, optimizer)
 
 
 def test_optimizer_states_convert_to_and_from_pytorch_format() -> None:

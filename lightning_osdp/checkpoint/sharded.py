@@ -184,7 +184,7 @@ def load_sharded_model_state(module: nn.Module, state: ShardedState, *, strict: 
     slices = SliceMap.of(module)
     metadata = _read_dcp_metadata(state.path)
     target: dict[str, Any] = get_model_state_dict(module)
-    expected = {slices.canonical(k): slices.canonical_shape(k, tuple(v.shape)) for k, v in target.items()}
+    expected = slices.canonical_shapes({k: v.shape for k, v in target.items()})
     saved = _saved_shapes(metadata, state.key)
     check_model_keys(expected, saved, strict=strict, source=repr(str(state.path)))
     if not strict:
