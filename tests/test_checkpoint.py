@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -165,20 +166,37 @@ def _complete_dir(path: Path, payload: str) -> Path:
     return path
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def test_commit_replaces_a_checkpoint_in_one_step_and_clears_interrupted_saves(tmp_path: Path) -> None:
     final = _complete_dir(tmp_path / "last.ckpt", "old")
-    stale = tmp_path / "last.ckpt.tmp-earlier"
-    stale.mkdir()  # an earlier save killed mid-way
+    dead, host = _dead_pid(), layout.new_token().split("-")[2]
+    # Earlier saves killed mid-way (this release's token, and lightning_osdp 0.1's without the host): removed.
+    stale = [
+        tmp_path / f"last.ckpt.tmp-20260101-000000-{host}-{dead}-0a1b2c3d",
+        tmp_path / f"last.ckpt.tmp-1-2-{dead}-f",
+    ]
+    # Saves in progress, in another live process of this host or on another host: theirs to finish.
+    running = [
+        tmp_path / f"last.ckpt.tmp-1-2-{host}-{os.getppid()}-e",
+        tmp_path / f"last.ckpt.tmp-1-2-elsewhere-{dead}-e",
+    ]
+    for leftover in stale + running:
+        leftover.mkdir()
     new = _complete_dir(tmp_path / "last.ckpt.tmp-now", "new")
     layout.commit(new, final)
     assert (final / "__0_0.distcp").read_text() == "new"
     assert layout.read_manifest(final).state_dict_type == "sharded"
-    assert layout.leftovers(final) == []
+    assert layout.leftovers(final) == sorted(running)
     # A file replaces a directory (state_dict_type changed between saves), and the other way round.
     tmp_file = tmp_path / "last.ckpt.tmp-file"
-    tmp_file.write_text("full")
+    torch.save({"global_step": 3}, tmp_file)
     layout.commit(tmp_file, final)
-    assert final.read_text() == "full" and layout.leftovers(final) == []
+    assert torch.load(final)["global_step"] == 3 and layout.leftovers(final) == sorted(running)
     layout.commit(_complete_dir(tmp_path / "last.ckpt.tmp-dir", "again"), final)
     assert (final / "__0_0.distcp").read_text() == "again"
     ckpt.remove_checkpoint(final)
@@ -206,6 +224,84 @@ def test_incomplete_checkpoints_are_refused_with_a_clear_message(tmp_path: Path)
     (final / layout.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ckpt.CheckpointError, match="layout version 99 is not supported"):
         layout.read_manifest(final)
+
+
+def _user_directory(path: Path) -> dict[str, str]:
+    """An ordinary directory of the user's (not a checkpoint), and its content."""
+    (path / "sub").mkdir(parents=True)
+    content = {"notes.txt": "results of a month", "sub/data.csv": "1,2,3", "meta.pt": "not ours either"}
+    for name, text in content.items():
+        (path / name).write_text(text)
+    return content
+
+
+def _content(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): p.read_text() for p in path.rglob("*") if p.is_file()}
+
+
+def test_saving_onto_an_ordinary_directory_or_file_is_refused_and_leaves_it_untouched(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    context = ckpt.CheckpointContext(world_size=1)
+    target = tmp_path / "results"
+    content = _user_directory(target)
+    for kind in ("sharded", "full"):
+        state = ckpt.sharded_model_state(model) if kind == "sharded" else ckpt.full_model_state(model)
+        with pytest.raises(ckpt.CheckpointError, match=r"'.*results': it is a directory that is not a checkpoint"):
+            ckpt.save_checkpoint({"state_dict": state}, target, module=model, context=context, state_dict_type=kind)  # type: ignore[arg-type]
+        assert _content(target) == content and layout.leftovers(target) == []
+    # The commit itself refuses too (a directory that appeared while the shards were written).
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint"):
+        layout.commit(_complete_dir(tmp_path / "results.tmp-1", "new"), target)
+    assert _content(target) == content
+    # A file that is not a checkpoint is not replaced either; a checkpoint file is, and an empty directory.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(ckpt.CheckpointError, match=r"'.*notes\.txt': it is a file that is not a checkpoint"):
+        ckpt.save_checkpoint({"state_dict": ckpt.full_model_state(model)}, notes, module=model, context=context)
+    assert notes.read_text() == "mine"
+    for existing in (tmp_path / "empty", tmp_path / "other.ckpt"):
+        if existing.name == "empty":
+            existing.mkdir()
+        else:
+            torch.save({"state_dict": model.state_dict()}, existing)  # Lightning DDP's checkpoint, say
+        ckpt.save_checkpoint({"state_dict": ckpt.sharded_model_state(model)}, existing, module=model, context=context)
+        assert ckpt.read_manifest(existing).state_dict_type == "sharded"
+
+
+def test_consolidating_onto_an_ordinary_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    src = tmp_path / "src.ckpt"
+    ckpt.save_checkpoint(
+        {"state_dict": ckpt.sharded_model_state(model)}, src, module=model, context=ckpt.CheckpointContext(1)
+    )
+    target = tmp_path / "out"
+    content = _user_directory(target)
+    assert consolidate_main([str(src), str(target)]) == 2
+    assert "is a directory that is not a checkpoint" in capsys.readouterr().err
+    assert _content(target) == content and layout.leftovers(target) == []
+
+
+def _save_plan_repeatedly(path: Path, index: int) -> None:
+    plan = Plan({"": "no_shard", "h.0": ("full_shard", index + 1)})
+    for _ in range(300):
+        plan.save(path)
+
+
+def test_plan_save_is_atomic_under_many_concurrent_writers(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    # Forked: the writers need this process's imports, not a fresh interpreter each.
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_save_plan_repeatedly, args=(path, i)) for i in range(8)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+    assert [proc.exitcode for proc in procs] == [0] * 8
+    # The file is one writer's complete plan, and no temporary file is left beside it.
+    assert Plan.load(path).decisions[""] == Decision("no_shard")
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
 # ============================================================================================== real runs
@@ -427,6 +523,29 @@ def test_consolidated_checkpoint_loads_without_osdp_and_equals_what_ddp_writes(r
     half = tmp_path / "x.ckpt.tmp-1"
     half.mkdir()
     assert consolidate_main([str(half), str(tmp_path / "y.ckpt")]) == 2  # `osdp consolidate`'s refusal
+
+
+# ============================================================================================== concurrent saves
+@multiprocess
+def test_concurrent_saves_to_one_path_all_complete(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RUNNER), str(tmp_path), "save-concurrently", str(path), "40"],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    # No save deleted another's temporary directory or file while it was being written.
+    assert [p.returncode for p in procs] == [0] * 4, [err[-3000:] for _, err in outputs]
+    assert all(out.strip() == "saved 40" for out, _ in outputs)
+    checkpoint = ckpt.load_checkpoint(path)
+    assert checkpoint["global_step"] == 39 and layout.leftovers(path) == []
 
 
 # ============================================================================================== kill during save

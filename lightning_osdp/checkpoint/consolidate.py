@@ -45,6 +45,7 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str], *, opt
             f"{str(src)!r} is not a sharded checkpoint directory"
             + (" (it is a file: already consolidated)" if src.is_file() else "")
         )
+    layout.check_replaceable(out)
     manifest = layout.read_manifest(src)
     keys = [MODEL_KEY] + ([f"optimizer_{i}" for i in range(manifest.optimizers)] if optimizer else [])
     tensors = read_sharded_tensors(src, keys)

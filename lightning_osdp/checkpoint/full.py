@@ -91,6 +91,7 @@ def save_full_checkpoint(
     tmp = layout.temporary_path(path, _dist.broadcast(layout.new_token()))
 
     def write_and_commit() -> None:
+        layout.check_replaceable(path)
         content = dict(checkpoint)
         content["osdp"] = context.full_entry(
             optimizers=len(checkpoint.get("optimizer_states", [])), checkpoint=checkpoint

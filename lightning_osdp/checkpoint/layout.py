@@ -24,6 +24,15 @@ is then deleted manifest first. Without RENAME_EXCHANGE the old checkpoint is fi
 ``<path>.old-<token>``: a kill in the instant between the two renames leaves it there, intact, and loading
 ``<path>`` says where it is.
 
+[Note: what a save may replace]
+A save replaces what is at its path only when that is a checkpoint: nothing, an empty directory, a checkpoint
+directory (every entry a file this layout writes), or a ``torch.save`` file (ours, or Lightning's own ``.ckpt``, as
+``last.ckpt`` is after switching strategies). Anything else, the user's results directory given by mistake say, is
+refused before any byte is written, and again at the commit, and is left as it was. Interrupted saves leave
+``<path>.tmp-<token>`` (and, rarely, ``<path>.old-<token>``) beside the path; a later save removes those only when
+the process that made them is gone (the token names its host and pid), so that two saves to one path at the same
+time never delete each other's files.
+
 The manifest is the commit record inside the directory: it is written after all shards and metadata (and
 ``fsync``ed), and deleted first when a checkpoint is removed. A directory without it, or whose files no longer have
 the sizes it lists, is an incomplete checkpoint and is refused on load with a message that says so, instead of
@@ -37,9 +46,13 @@ import ctypes.util
 import json
 import logging
 import os
+import re
 import shutil
+import socket
+import stat
 import time
 import uuid
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +67,7 @@ __all__ = [
     "PLAN",
     "PROFILE",
     "Manifest",
+    "check_replaceable",
     "commit",
     "is_sharded_checkpoint",
     "leftovers",
@@ -130,8 +144,37 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def new_token() -> str:
-    """A name component unique to one save (time, process, random), for the temporary path."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A name component unique to one save, for the temporary path: time, host, process id, random. The host and pid
+    tell a later save whether the process that wrote a leftover is still running (see :func:`abandoned`)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "_"
+
+
+def abandoned(leftover: Path) -> bool:
+    """Whether ``leftover`` (a ``.tmp-<token>`` or ``.old-<token>`` sibling) was left by a process that is gone: one
+    of this host whose pid no longer runs. A leftover of another host, or of a live process (a save in progress, in
+    this process or another), is not abandoned."""
+    parts = re.split(r"\.(?:tmp|old)-", leftover.name)[-1].split("-")
+    # `<date>-<time>-<host>-<pid>-<hex>`; lightning_osdp 0.1 wrote `<date>-<time>-<pid>-<hex>`, and ran on one host.
+    if len(parts) == 5:
+        host, pid_text = parts[2], parts[3]
+    elif len(parts) == 4:
+        host, pid_text = _host(), parts[2]
+    else:
+        return False  # not a name a save of ours makes: not ours to delete
+    if host != _host() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    pid = int(pid_text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, owned by someone else
+        return False
+    return False
 
 
 def temporary_path(path: Path, token: str) -> Path:
@@ -219,6 +262,7 @@ def commit(tmp: Path, path: Path) -> None:
 
     Called by one process (rank 0) once every rank's files are written.
     """
+    check_replaceable(path)
     if tmp.is_dir():
         _fsync_directory(tmp)
     if not os.path.lexists(path):
@@ -235,9 +279,73 @@ def commit(tmp: Path, path: Path) -> None:
         _remove(aside)
     _fsync_directory(path.parent)
     for stale in leftovers(path):
-        # Earlier interrupted saves of this path, superseded now that a save completed.
-        log.info("removing %s, left by an interrupted save", stale)
-        _remove(stale)
+        # Earlier interrupted saves of this path, superseded now that a save completed; a save still in progress (in
+        # another process: two saves to one path) keeps its files.
+        if abandoned(stale):
+            log.info("removing %s, left by an interrupted save", stale)
+            _remove(stale)
+
+
+#: Names a checkpoint directory holds: DCP's shard files and index (and its temporary index), and ours.
+_LAYOUT_NAMES = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?")
+
+
+def check_replaceable(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless a save may replace what is at ``path`` (see [Note: what a save may
+    replace]): nothing, a symbolic link (the link is replaced, not what it points to), an empty file or a
+    ``torch.save`` file, an empty directory or a checkpoint directory."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        return
+    if stat.S_ISREG(mode):
+        try:
+            with open(path, "rb") as f:
+                # On the open file: another save may swap what is at `path` at any instant.
+                if os.fstat(f.fileno()).st_size == 0 or zipfile.is_zipfile(f):
+                    return
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:
+            mode = stat.S_IFDIR  # replaced by another save's checkpoint directory meanwhile: check that
+        else:
+            raise CheckpointError(
+                f"refusing to save to {str(path)!r}: it is a file that is not a checkpoint (not a torch.save file), "
+                "and saving would replace it. Choose another path, or move that file away first"
+            )
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(f"refusing to save to {str(path)!r}: it is neither a file nor a directory")
+    foreign = _foreign_entries(path)
+    if foreign:
+        shown = ", ".join(repr(name) for name in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"refusing to save to {str(path)!r}: it is a directory that is not a checkpoint (it holds {shown}, "
+            "which no checkpoint save writes), and saving would replace it with everything in it. Choose another "
+            "path, or move that directory away first"
+        )
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """Entries of ``directory`` that no checkpoint save writes (sub-directories included), sorted. Entries that
+    vanish while they are listed (another save replacing the same checkpoint) are not foreign."""
+    ours = {MANIFEST, META, PLAN, PROFILE}
+    foreign = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):  # replaced meanwhile, by another save of this path
+        return []
+    for entry in entries:
+        try:
+            plain_file = entry.is_file(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if plain_file and (entry.name in ours or _LAYOUT_NAMES.fullmatch(entry.name)):
+            continue
+        if os.path.lexists(entry.path):
+            foreign.append(entry.name)
+    return sorted(foreign)
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:

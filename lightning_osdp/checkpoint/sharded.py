@@ -110,6 +110,7 @@ def save_sharded_checkpoint(
     """
     path = Path(_dist.broadcast(str(path)))
     tmp = layout.temporary_path(path, _dist.broadcast(layout.new_token()))
+    _dist.on_rank_zero(lambda: layout.check_replaceable(path), f"saving checkpoint {str(path)!r}")
     slices = SliceMap.of(module)
     optimizer_states = list(checkpoint.get("optimizer_states", []))
     tensors: dict[str, Any] = {MODEL_KEY: checkpoint.get("state_dict", {})}

@@ -3,7 +3,8 @@
 ``checkpoint_runner.py OUT world2``: under ``torchrun --nproc-per-node 2``, every two-rank case in one launch (the
 imports and the gloo group are shared), in dependency order; each case writes ``OUT/CASE.rank{R}.pt``.
 ``checkpoint_runner.py OUT save-loop PATH``: one process saving a large model to PATH again and again (the
-kill-during-save test kills it). ``checkpoint_runner.py OUT bench``: save/load timings, sharded vs full (2 ranks).
+kill-during-save test kills it). ``checkpoint_runner.py OUT save-concurrently PATH N``: N saves to PATH, while other
+processes save there too. ``checkpoint_runner.py OUT bench``: save/load timings, sharded vs full (2 ranks).
 The one-rank cases run inside the test process (:func:`fit` is imported from here).
 """
 
@@ -235,6 +236,24 @@ def save_loop(out: Path, path: Path) -> None:
         print(f"saved {version}", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------- concurrent saves
+def save_concurrently(path: Path, saves: int) -> None:
+    """Save a small model ``saves`` times to ``path``, sharded and full in turn, with no process group, while other
+    processes do the same to the same path; every save must complete."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    context = ckpt.CheckpointContext(world_size=1)
+    for i in range(saves):
+        kind = "sharded" if i % 2 == 0 else "full"
+        state = ckpt.sharded_model_state(model) if kind == "sharded" else ckpt.full_model_state(model)
+        ckpt.save_checkpoint(
+            {"state_dict": state, "global_step": i}, path, module=model, context=context, state_dict_type=kind
+        )  # type: ignore[arg-type]
+    print(f"saved {saves}", flush=True)
+
+
 # ---------------------------------------------------------------------------------------------- timings
 def bench(out: Path) -> None:
     """Save and load times of a ~7M-parameter GPT at 2 ranks (full_shard), sharded vs full, with AdamW state."""
@@ -310,6 +329,8 @@ def main() -> None:
         world2(out)
     elif mode == "save-loop":
         save_loop(out, Path(sys.argv[3]))
+    elif mode == "save-concurrently":
+        save_concurrently(Path(sys.argv[3]), int(sys.argv[4]))
     elif mode == "bench":
         bench(out)
     else:
