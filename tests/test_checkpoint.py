@@ -12,6 +12,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -480,6 +481,28 @@ def test_incompatible_checkpoints_are_refused_naming_the_keys(runs: Any) -> None
         kind, message = runs("bad_optim", rank)["error"]
         assert kind == "CheckpointMismatchError"
         assert "checkpoint ['exp_avg', 'exp_avg_sq', 'step'], optimizer ['momentum_buffer']" in message
+
+
+@multiprocess
+def test_a_flipped_bit_in_one_rank_shard_fails_every_rank_naming_the_file(runs: Any) -> None:
+    for rank in range(2):  # rank 0 checked the file, rank 1 raises the same error (no rank is left waiting)
+        kind, message = runs("bad_bits", rank)["error"]
+        assert kind == "CorruptCheckpointError"
+        assert "__1_0.distcp (checksum crc32:" in message and "changed after the save" in message
+
+
+@multiprocess
+def test_a_shard_deleted_with_its_manifest_entry_is_named(runs: Any, tmp_path: Path) -> None:
+    path = tmp_path / "lost.ckpt"
+    shutil.copytree(runs.path / "A_osdp" / "step=5.ckpt", path)
+    (path / "__1_0.distcp").unlink()
+    manifest = json.loads((path / layout.MANIFEST).read_text())
+    del manifest["files"]["__1_0.distcp"], manifest["checksums"]["__1_0.distcp"]
+    (path / layout.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=r"places data in '__1_0\.distcp'.*a shard was lost"):
+        ckpt.load_checkpoint(path)
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=r"'__1_0\.distcp'"):
+        ckpt.consolidate(path, tmp_path / "out.ckpt")
 
 
 @multiprocess

@@ -29,6 +29,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", help="sharded checkpoint directory")
     parser.add_argument("out", help="the .ckpt file to write")
     parser.add_argument("--weights-only", action="store_true", help="leave the optimizer states out")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="also create objects of other classes than plain data and tensors from the checkpoint (Lightning "
+        "hyper-parameters of your own classes, say): this runs code from the checkpoint, so only for checkpoints "
+        "from a source you trust",
+    )
     return parser
 
 
@@ -39,7 +46,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         raise CLIError(f"checkpoint {args.checkpoint!r} does not exist")
     try:
         with out.step(f"consolidating {args.checkpoint}"):
-            path = consolidate(args.checkpoint, args.out, optimizer=not args.weights_only)
+            path = consolidate(
+                args.checkpoint, args.out, optimizer=not args.weights_only, weights_only=not args.allow_pickle
+            )
     except CheckpointError as err:
         raise CLIError(str(err)) from None
     out.print(f"wrote {path} ({format_bytes(path.stat().st_size)}) in {time.perf_counter() - start:.1f} s")

@@ -11,6 +11,7 @@ The one-rank cases run inside the test process (:func:`fit` is imported from her
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -209,6 +210,16 @@ def world2(out: Path) -> None:
         ckpt_path=osdp / "step=5.ckpt",
         model_kwargs={"optimizer": "sgd"},
     )
+    # One bit of rank 1's shard flipped after the save, its size unchanged: every rank refuses, naming the file.
+    flipped = out / "flipped.ckpt"
+    if _rank() == 0:
+        shutil.copytree(osdp / "step=5.ckpt", flipped)
+        shard = flipped / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    fit(out, "bad_bits", plan="tied_split", devices=2, ckpt_path=flipped)
 
 
 # ---------------------------------------------------------------------------------------------- kill during save
