@@ -29,6 +29,7 @@ from torch import nn
 from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp import checkpoint as ckpt
 from lightning_osdp.checkpoint.integrity import checksumming_writer, file_checksum, written_checksums
+from lightning_osdp.checkpoint.unpickle import load_torch_file
 from lightning_osdp.cli import main as osdp
 
 from models import TinyGPT, loaders
@@ -265,6 +266,19 @@ def test_a_checkpoint_that_needs_more_than_plain_data_loads_only_when_trusted(
     assert "--allow-pickle" in capsys.readouterr().err and not out.exists()
     assert osdp(["consolidate", "--allow-pickle", str(path), str(out)]) == 0
     assert torch.load(out, weights_only=False)["hyper_parameters"]["config"] == Config()
+
+
+def test_only_a_pickle_that_names_code_is_called_crafted(tmp_path: Path) -> None:
+    torch.save({"hyper_parameters": {"layers": range(3)}}, tmp_path / "range.pt")
+    with pytest.raises(ckpt.UntrustedContentError, match=r"builtins\.range.*add_safe_globals") as info:
+        load_torch_file(tmp_path / "range.pt", weights_only=True, what="meta.pt")
+    assert "made to run code" not in str(info.value)
+    torch.save({"hyper_parameters": {"x": Payload(tmp_path / "ran")}}, tmp_path / "payload.pt")
+    with pytest.raises(
+        ckpt.UntrustedContentError, match=r"builtins\.exec.*made to run code when it is loaded\. Do not load it"
+    ):
+        load_torch_file(tmp_path / "payload.pt", weights_only=True, what="meta.pt")
+    assert not (tmp_path / "ran").exists()
 
 
 def test_lightning_does_not_pass_fit_weights_only_to_a_strategy_that_restores_after_setup(

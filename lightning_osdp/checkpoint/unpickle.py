@@ -41,26 +41,44 @@ from lightning_osdp.checkpoint.errors import CheckpointError, UntrustedContentEr
 
 __all__ = ["SkimmedTensor", "load_item", "load_torch_file", "read_dcp_index", "skim", "weights_only_refusal"]
 
-#: Modules whose functions no checkpoint holds: a pickle naming one was made to run code when it is loaded.
+#: Modules whose functions no checkpoint holds, and the builtins that run or reach code: a pickle naming one was made
+#: to run code when it is loaded. (Other builtins, ``range`` or ``frozenset``, are data a user may keep.)
 _CODE_MODULES = {
-    "builtins", "codecs", "code", "ctypes", "importlib", "marshal", "nt", "os", "pickle", "posix", "pty", "runpy",
-    "shutil", "socket", "subprocess", "sys", "types", "webbrowser",
+    "codecs", "code", "ctypes", "importlib", "marshal", "nt", "os", "pickle", "posix", "pty", "runpy", "shutil",
+    "socket", "subprocess", "sys", "types", "webbrowser",
+}  # fmt: skip
+_CODE_BUILTINS = {
+    "__import__", "breakpoint", "compile", "delattr", "eval", "exec", "exit", "getattr", "globals", "help", "input",
+    "locals", "open", "quit", "setattr", "vars",
 }  # fmt: skip
 
 
-def _refusal(path: Path | str, what: str, names: list[str]) -> UntrustedContentError:
+def _runs_code(name: str) -> bool:
+    module, _, attribute = name.rpartition(".")
+    return module.partition(".")[0] in _CODE_MODULES or (module == "builtins" and attribute in _CODE_BUILTINS)
+
+
+def _refusal(path: Path | str, what: str, names: list[str], *, allow_list: bool = True) -> UntrustedContentError:
+    """The refusal of ``what`` of checkpoint ``path``, which holds the globals ``names``. ``allow_list``: torch's
+    ``add_safe_globals`` lets the load create them (not for DCP's index, which torch does not load)."""
     shown = ", ".join(names)
     head = f"refusing to load {_part(what, path)}: it holds {shown}"
-    if any(name.partition(".")[0] in _CODE_MODULES for name in names):
+    if any(_runs_code(name) for name in names):
         return UntrustedContentError(
             f"{head}, which no checkpoint holds: the file was made to run code when it is loaded. Do not load it"
         )
-    return UntrustedContentError(
-        f"{head}, which loading with weights_only=True does not create (plain data and tensors only), and creating "
-        "it runs code from the file. If the checkpoint comes from a source you trust, allow these classes with "
-        f"torch.serialization.add_safe_globals([{shown}]) (or the safe_globals context manager around the load), or "
+    trust = (
         "load it with weights_only=False: lightning_osdp.checkpoint.load_checkpoint(..., weights_only=False), "
         "consolidate(..., weights_only=False), osdp consolidate --allow-pickle"
+    )
+    if allow_list:
+        trust = (
+            f"allow these classes with torch.serialization.add_safe_globals([{shown}]) (or the safe_globals context "
+            f"manager around the load), or {trust}"
+        )
+    return UntrustedContentError(
+        f"{head}, which loading with weights_only=True does not create (plain data and tensors only), and creating "
+        f"it runs code from the file. If the checkpoint comes from a source you trust, {trust}"
     )
 
 
@@ -161,7 +179,7 @@ def read_dcp_index(path: Path, *, weights_only: bool = True) -> dcp_metadata.Met
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(path)!r} has no DCP index '.metadata'") from None
     except pickle.UnpicklingError as err:
-        raise _refusal(path, "DCP's index '.metadata'", [str(err)]) from None
+        raise _refusal(path, "DCP's index '.metadata'", [str(err)], allow_list=False) from None
     except Exception as err:  # a damaged file: EOFError, ValueError...
         raise CheckpointError(f"cannot read DCP's index '.metadata' of checkpoint {str(path)!r}: {err!r}") from err
     if not isinstance(index, dcp_metadata.Metadata):
