@@ -26,8 +26,6 @@ DCP reader see the model's own keys and never the slices.
 from __future__ import annotations
 
 import dataclasses
-import io
-import os
 from typing import Any
 
 import torch
@@ -47,9 +45,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, cre
 
 from lightning_osdp.apply.state_dict import SliceAlias, SliceMap
 from lightning_osdp.checkpoint.errors import CheckpointMismatchError
-from lightning_osdp.checkpoint.unpickle import load_item
 
-__all__ = ["PlainItemsLoadPlanner", "SliceLoadPlanner", "SliceSavePlanner"]
+__all__ = ["SliceLoadPlanner", "SliceSavePlanner"]
 
 
 def _join(path: tuple[Any, ...]) -> str:
@@ -136,28 +133,8 @@ class SliceSavePlanner(DefaultSavePlanner):
         return super().lookup_object(origin if origin is not None else index)
 
 
-class PlainItemsLoadPlanner(DefaultLoadPlanner):
-    """:class:`DefaultLoadPlanner` that checks each non-tensor item (an optimizer's hyper-parameters) is plain data
-    before DCP unpickles it, unless the checkpoint is trusted: DCP's own ``load_bytes`` runs
-    ``torch.load(weights_only=False)`` (see ``unpickle``'s [Note: pickles in a checkpoint])."""
-
-    weights_only: bool = True
-    source: str = "?"
-
-    def plain_items(self, *, weights_only: bool, source: str | os.PathLike[str]) -> None:
-        """Set whether items are checked, and the checkpoint named in a refusal."""
-        self.weights_only = weights_only
-        self.source = str(source)
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        if self.weights_only:
-            load_item(value, fqn=read_item.dest_index.fqn, path=self.source)
-        super().load_bytes(read_item, value)
-
-
-class SliceLoadPlanner(PlainItemsLoadPlanner):
-    """:class:`DefaultLoadPlanner` that reads the unsplit keys into split slices (see the module's Note), and
-    non-tensor items as plain data only (:class:`PlainItemsLoadPlanner`)."""
+class SliceLoadPlanner(DefaultLoadPlanner):
+    """:class:`DefaultLoadPlanner` that reads the unsplit keys into split slices (see the module's Note)."""
 
     def __init__(self, slices: SliceMap, *, allow_partial_load: bool = False) -> None:
         super().__init__(allow_partial_load=allow_partial_load)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,8 +39,8 @@ from lightning_osdp.checkpoint.keys import (
     named_param_groups,
     split_state_keys,
 )
-from lightning_osdp.checkpoint.planners import PlainItemsLoadPlanner, SliceLoadPlanner, SliceSavePlanner
-from lightning_osdp.checkpoint.unpickle import load_torch_file, read_dcp_index
+from lightning_osdp.checkpoint.planners import SliceLoadPlanner, SliceSavePlanner
+from lightning_osdp.checkpoint.unpickle import IndexedReader, load_torch_file, read_dcp_index
 
 __all__ = [
     "MODEL_KEY",
@@ -244,31 +244,14 @@ def read_index(path: Path, manifest: layout.Manifest, *, weights_only: bool = Tr
     return index
 
 
-class _IndexedReader(FileSystemReader):
-    """DCP's reader of a checkpoint directory, handing DCP the index already read and checked by
-    :func:`read_index` (DCP itself would ``pickle.load`` it)."""
-
-    def __init__(self, path: Path, index: Metadata) -> None:
-        super().__init__(path)
-        self._index = index
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._index.storage_meta is None:
-            self._index.storage_meta = StorageMeta()
-        self._index.storage_meta.load_id = self.load_id
-        return self._index
-
-
-def _load(
-    state: dict[str, Any], path: Path, index: Metadata, planner: PlainItemsLoadPlanner, *, weights_only: bool
-) -> None:
-    """``dcp.load``, its failures raised as :class:`CheckpointError` naming the checkpoint (our own errors, raised
-    by the planners, as they are)."""
-    planner.plain_items(weights_only=weights_only, source=path)
+def _load(state: dict[str, Any], state_ref: ShardedState, index: Metadata, planner: SliceLoadPlanner) -> None:
+    """``dcp.load`` of ``state_ref``'s checkpoint, its failures raised as :class:`CheckpointError` naming the checkpoint
+    (our own errors, raised by the planner, as they are)."""
+    reader = IndexedReader(state_ref.path, index, weights_only=state_ref.weights_only)
     try:
-        dcp.load(state, storage_reader=_IndexedReader(path, index), planner=planner)
+        dcp.load(state, storage_reader=reader, planner=planner)
     except CheckpointException as err:
-        raise _unwrapped(err, path) from None
+        raise _unwrapped(err, state_ref.path) from None
 
 
 def _unwrapped(err: CheckpointException, path: Path) -> CheckpointError:
@@ -311,8 +294,7 @@ def load_sharded_model_state(module: nn.Module, state: ShardedState, *, strict: 
     check_model_keys(expected, saved, strict=strict, source=repr(str(state.path)))
     if not strict:
         target = {k: v for k, v in target.items() if slices.canonical(k) in saved}
-    planner = SliceLoadPlanner(slices, allow_partial_load=not strict)
-    _load({state.key: target}, state.path, metadata, planner, weights_only=state.weights_only)
+    _load({state.key: target}, state, metadata, SliceLoadPlanner(slices, allow_partial_load=not strict))
     set_model_state_dict(module, target, options=StateDictOptions(strict=strict))
 
 
@@ -346,7 +328,7 @@ def load_sharded_optimizer_state(
     # Parameters that had no state when the checkpoint was saved get none now (`load_state_dict` drops it).
     target["state"] = {n: v for n, v in target["state"].items() if slices.canonical(n) in saved}
     box = {state.key: target}
-    _load(box, state.path, metadata, SliceLoadPlanner(slices), weights_only=state.weights_only)
+    _load(box, state, metadata, SliceLoadPlanner(slices))
     loaded = box[state.key]
     loaded["param_groups"] = slices.sliced_param_groups(loaded["param_groups"])
     with keep_group_types(optimizer):
@@ -368,9 +350,6 @@ def read_sharded_tensors(
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    class _Planner(PlainItemsLoadPlanner, _EmptyStateDictLoadPlanner):
-        pass
-
     path = Path(path)
     if not path.exists():
         raise layout.missing_checkpoint_error(path)
@@ -379,10 +358,13 @@ def read_sharded_tensors(
         verify_checksums(path, manifest)
     index = read_index(path, manifest, weights_only=weights_only)
     state: dict[str, Any] = {}
-    planner = _Planner(keys=set(keys) if keys is not None else None)
-    planner.plain_items(weights_only=weights_only, source=path)
     try:
-        _load_state_dict(state, storage_reader=_IndexedReader(path, index), planner=planner, no_dist=True)
+        _load_state_dict(
+            state,
+            storage_reader=IndexedReader(path, index, weights_only=weights_only),
+            planner=_EmptyStateDictLoadPlanner(keys=set(keys) if keys is not None else None),
+            no_dist=True,
+        )
     except CheckpointException as err:
         raise _unwrapped(err, path) from None
     return state

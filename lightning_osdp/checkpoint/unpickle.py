@@ -15,7 +15,8 @@ trust it needs:
 * DCP's index ``.metadata``, a plain pickle that DCP reads with ``pickle.load``: read here with an unpickler that
   creates only the index's own types (:func:`read_dcp_index`), and handed to DCP already read.
 * DCP's non-tensor items (optimizer hyper-parameters), which DCP's default planner reads with
-  ``torch.load(weights_only=False)``: read with ``weights_only=True`` by the planners (:func:`load_item`).
+  ``torch.load(weights_only=False)``: checked to load with ``weights_only=True`` first (:func:`load_item`), by the
+  reader OSDP gives DCP (:class:`IndexedReader`), whatever the planner.
 * The ``"osdp"`` entry of a full file, which :func:`~lightning_osdp.checkpoint.saved_plan` needs before Lightning
   loads the file: :func:`skim` reads the file's pickle with every global replaced by an inert stand-in, so the plan
   comes out of any file, whatever else it holds, and nothing in it runs.
@@ -32,14 +33,25 @@ import re
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from lightning_osdp.checkpoint.errors import CheckpointError, UntrustedContentError
 
-__all__ = ["SkimmedTensor", "load_item", "load_torch_file", "read_dcp_index", "skim", "weights_only_refusal"]
+__all__ = [
+    "IndexedReader",
+    "SkimmedTensor",
+    "load_item",
+    "load_torch_file",
+    "read_dcp_index",
+    "skim",
+    "weights_only_refusal",
+]
 
 #: Modules whose functions no checkpoint holds, and the builtins that run or reach code: a pickle naming one was made
 #: to run code when it is loaded. (Other builtins, ``range`` or ``frozenset``, are data a user may keep.)
@@ -127,6 +139,43 @@ def load_item(data: IO[bytes], *, fqn: str, path: Path | str) -> None:
     except pickle.UnpicklingError as err:
         raise _refusal(path, f"item {fqn!r}", _refused_globals(err)) from None
     data.seek(start)
+
+
+class IndexedReader(FileSystemReader):
+    """DCP's reader of checkpoint directory ``path`` that hands DCP ``index`` (read and checked already, by
+    :func:`read_dcp_index`: DCP itself would ``pickle.load`` the file) and, unless ``weights_only=False``, checks each
+    non-tensor item to be plain data (:func:`load_item`) before the planner unpickles it, whatever the planner."""
+
+    def __init__(self, path: Path, index: dcp_metadata.Metadata, *, weights_only: bool = True) -> None:
+        super().__init__(path)
+        self._index = index
+        self._weights_only = weights_only
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if self._index.storage_meta is None:
+            self._index.storage_meta = dcp_metadata.StorageMeta()
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._weights_only:
+            planner = cast(LoadPlanner, _PlainItems(planner, self.path))
+        return super().read_data(plan, planner)
+
+
+class _PlainItems:
+    """A DCP load planner whose ``load_bytes`` first checks the item is plain data (the rest is the planner's)."""
+
+    def __init__(self, planner: LoadPlanner, path: Any) -> None:
+        self._planner = planner
+        self._path = path
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        load_item(value, fqn=read_item.dest_index.fqn, path=self._path)
+        self._planner.load_bytes(read_item, value)
+
+    def __getattr__(self, name: str) -> Any:  # resolve_tensor, commit_tensor...
+        return getattr(self._planner, name)
 
 
 # ---------------------------------------------------------------------------------------------- DCP's index
