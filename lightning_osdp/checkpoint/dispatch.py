@@ -66,8 +66,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Lightning's checkpoint dict of ``path``: a sharded directory (tensors left on disk as
     :class:`~lightning_osdp.checkpoint.ShardedState`) or a full file (read with ``read_file``, ``torch.load`` by
-    default). Refuses an incomplete or corrupted checkpoint (every file is checked against its checksum first: a
-    collective for a directory when a process group is initialised), and reads no tensor of a directory.
+    default). Refuses an incomplete or corrupted checkpoint (every file, or every record of a full file, is checked
+    against its checksum first, each rank checking a share: a collective when a process group is initialised), and
+    reads no tensor of a directory.
 
     Args:
         weights_only: create only plain data and tensors from the checkpoint's pickles; ``None`` means ``True``, as
@@ -85,7 +86,7 @@ def load_checkpoint(
         raise layout.missing_checkpoint_error(path)
     if path.is_dir():
         return open_sharded_checkpoint(path, weights_only=not trusted)
-    verify_records(path)
+    verify_records(path, shared=True)
     if read_file is None:
         return _as_checkpoint(load_torch_file(path, weights_only=not trusted, what=""), path)
     try:

@@ -185,9 +185,13 @@ def verify_shared(directory: Path, manifest: Manifest) -> None:
         raise _corrupt(directory, failures)
 
 
-def verify_records(path: Path) -> None:
+def verify_records(path: Path, *, shared: bool = False) -> None:
     """Check every record of a ``torch.save`` file against the CRC-32 the zip archive stores for it. A file of the
     legacy (pre-zip) format, or written with ``torch.serialization.set_crc32_options(False)``, has none to check.
+
+    Args:
+        shared: the ranks share the records out (record ``i`` is read by rank ``i mod world size``) and every rank
+            raises if any failed: a collective when a process group is initialised.
 
     Raises:
         CorruptCheckpointError: naming the file and the record.
@@ -196,14 +200,29 @@ def verify_records(path: Path) -> None:
         return
     try:
         with zipfile.ZipFile(path) as archive:
-            for info in archive.infolist():
-                if info.CRC == 0 and info.file_size:
-                    continue  # written without CRCs
-                with archive.open(info) as record:
-                    while record.read(_CHUNK):
-                        pass
-    except (zipfile.BadZipFile, EOFError) as err:
+            records = archive.infolist()
+            if shared:
+                records = records[_dist.rank() :: _dist.world_size()]
+            failure = _bad_record(archive, records)
+    except (zipfile.BadZipFile, EOFError) as err:  # the archive's directory: every rank reads it, and fails alike
+        failure = str(err)
+    failures = [f for f in (_dist.all_gather(failure) if shared else [failure]) if f is not None]
+    if failures:
         raise CorruptCheckpointError(
-            f"refusing to load checkpoint file {str(path)!r}: it is damaged ({err}): its bytes changed after it was "
-            "written (a disk, memory or copy error), or it was cut short. Load another checkpoint"
-        ) from None
+            f"refusing to load checkpoint file {str(path)!r}: it is damaged ({failures[0]}): its bytes changed after "
+            "it was written (a disk, memory or copy error), or it was cut short. Load another checkpoint"
+        )
+
+
+def _bad_record(archive: zipfile.ZipFile, records: Iterable[zipfile.ZipInfo]) -> str | None:
+    """The first of ``records`` whose bytes do not match their CRC-32, as zipfile describes it; ``None`` if all do."""
+    for info in records:
+        if info.CRC == 0 and info.file_size:
+            continue  # written without CRCs
+        try:
+            with archive.open(info) as record:
+                while record.read(_CHUNK):
+                    pass
+        except (zipfile.BadZipFile, EOFError) as err:
+            return str(err)
+    return None

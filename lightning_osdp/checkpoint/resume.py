@@ -88,7 +88,11 @@ def saved_plan(path: str | os.PathLike[str]) -> SavedPlan | None:
     source = f"{path}['osdp']"
     manifest = layout.Manifest.from_dict(entry, source, directory=False)
     state = content.get("state_dict")
-    shapes = {k: v.shape for k, v in state.items() if isinstance(v, SkimmedTensor)} if isinstance(state, dict) else None
+    shapes = (
+        {k: v.shape for k, v in state.items() if isinstance(k, str) and isinstance(v, SkimmedTensor)}
+        if isinstance(state, dict)
+        else None
+    )
     return SavedPlan(
         Plan.from_dict(entry["plan"], source=f"{source}['plan']"),
         entry.get("profile"),

@@ -27,7 +27,6 @@ DCP's tensor data is read by DCP itself with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import re
 import zipfile
@@ -265,8 +264,13 @@ class _Opaque:
 class SkimmedTensor:
     """A tensor of a skimmed file: its shape only (the data is not read)."""
 
+    __slots__ = ("shape",)  # no attribute a crafted pickle could set besides its shape, checked below
+
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape = shape
+
+    def __setstate__(self, state: Any) -> None:
+        pass
 
 
 def _rebuild_tensor(storage: Any, offset: Any, size: Any, *args: Any) -> Any:
@@ -319,8 +323,3 @@ def skim(path: Path) -> Any:
         return _Skimmer(io.BytesIO(data)).load()
     except Exception as err:
         raise CheckpointError(f"cannot read checkpoint file {str(path)!r}: damaged pickle ({err!r})") from None
-
-
-def is_zip(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a zip file (every ``torch.save`` file since PyTorch 1.6)."""
-    return zipfile.is_zipfile(path)
