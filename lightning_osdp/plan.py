@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,12 +222,21 @@ class Plan:
         return cls(decisions, info=info, report=report)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan as versioned JSON (atomically: a crash leaves the old file intact)."""
+        """Write the plan as versioned JSON (atomically: a crash, or another process saving to the same path at the
+        same time, leaves a complete plan file at ``path``, never a partial one)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
-        os.replace(tmp, path)
+        # A temporary name of this call alone, in the same directory (so the rename stays on one file system): every
+        # rank of a run saves the plan, and a name shared between processes would be renamed away by one of them
+        # while another still writes it.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "x") as f:
+                f.write(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod

@@ -394,7 +394,9 @@ class OSDPStrategy(ParallelStrategy):
         if path is None or not Path(path).exists():
             return None
         saved = osdp_checkpoint.saved_plan(path)
-        return osdp_checkpoint.resume_plan(saved, world_size=self.world_size, memory_budget=self._requested_budget)
+        return osdp_checkpoint.resume_plan(
+            saved, world_size=self.world_size, memory_budget=self._requested_budget, module=self.lightning_module
+        )
 
     def _profile_and_solve(self, trainer: pl.Trainer) -> Plan:
         from lightning_osdp.cost_model import predict
@@ -665,7 +667,9 @@ class OSDPStrategy(ParallelStrategy):
         # Rank 0's path for all: every rank must read the same checkpoint.
         path = Path(self.broadcast(checkpoint_path))
         checkpoint = osdp_checkpoint.load_checkpoint(
-            path, read_file=lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only)
+            path,
+            read_file=lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only),
+            weights_only=weights_only,
         )
         rank_zero_info(osdp_checkpoint.describe_resume(path, checkpoint, self._checkpoint_context()))
         return checkpoint

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,9 +30,12 @@ from lightning_osdp import checkpoint as ckpt
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import layout
+from lightning_osdp.checkpoint.consolidate import main as consolidate_main
 from lightning_osdp.checkpoint.keys import (
     check_model_keys,
     check_optimizer_state,
+    named_param_groups,
+    optimizer_param_names,
     optimizer_state_from_native,
     optimizer_state_to_native,
     split_state_keys,
@@ -64,6 +69,36 @@ def test_slice_names_map_to_the_unsplit_model_names_and_rows() -> None:
     canonical = slices.canonical_param_groups(groups)
     assert canonical == [{"lr": 0.1, "params": ["0.weight", "0.bias"]}]
     assert sorted(slices.sliced_param_groups(canonical)[0]["params"]) == sorted(sliced)
+
+
+def test_consolidation_is_one_module_whose_command_runs_without_warnings() -> None:
+    module = sys.modules["lightning_osdp.checkpoint.consolidate"]
+    assert ckpt.consolidate is module.consolidate and callable(ckpt.consolidate)
+    assert importlib.util.find_spec("lightning_osdp.checkpoint.consolidation") is None
+    proc = subprocess.run(
+        [sys.executable, "-W", "default", "-m", "lightning_osdp.checkpoint.consolidate", "--help"],
+        env=child_env(PYTHONWARNINGS="default"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0 and "osdp consolidate" in proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr
+
+
+def test_slice_map_is_the_one_translation_of_names_shapes_and_optimizer_groups() -> None:
+    model = nn.Sequential(nn.Linear(4, 85), nn.Linear(85, 3))
+    split_linear(model, "0", 4)
+    slices = SliceMap.of(model)
+    live = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # Every slice of `0` names the unsplit parameter and its whole shape: what a checkpoint holds.
+    assert slices.canonical_shapes(live) == {"0.weight": (85, 4), "0.bias": (85,), "1.weight": (3, 85), "1.bias": (3,)}
+    optimizer = torch.optim.SGD([{"params": model[1].parameters()}, {"params": model[0].parameters(), "lr": 2.0}])
+    # The optimizer's parameters in the unsplit model's names, numbered as on the unsplit model: via the same map.
+    assert optimizer_param_names(model, optimizer) == [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
+    grouped = slices.canonical_param_groups(named_param_groups(model, optimizer))
+    assert [g["params"] for g in grouped] == optimizer_param_names(model, optimizer)
 
 
 def test_optimizer_states_convert_to_and_from_pytorch_format() -> None:
@@ -132,20 +167,37 @@ def _complete_dir(path: Path, payload: str) -> Path:
     return path
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 def test_commit_replaces_a_checkpoint_in_one_step_and_clears_interrupted_saves(tmp_path: Path) -> None:
     final = _complete_dir(tmp_path / "last.ckpt", "old")
-    stale = tmp_path / "last.ckpt.tmp-earlier"
-    stale.mkdir()  # an earlier save killed mid-way
+    dead, host = _dead_pid(), layout.new_token().split("-")[2]
+    # Earlier saves killed mid-way (this release's token, and lightning_osdp 0.1's without the host): removed.
+    stale = [
+        tmp_path / f"last.ckpt.tmp-20260101-000000-{host}-{dead}-0a1b2c3d",
+        tmp_path / f"last.ckpt.tmp-1-2-{dead}-f",
+    ]
+    # Saves in progress, in another live process of this host or on another host: theirs to finish.
+    running = [
+        tmp_path / f"last.ckpt.tmp-1-2-{host}-{os.getppid()}-e",
+        tmp_path / f"last.ckpt.tmp-1-2-elsewhere-{dead}-e",
+    ]
+    for leftover in stale + running:
+        leftover.mkdir()
     new = _complete_dir(tmp_path / "last.ckpt.tmp-now", "new")
     layout.commit(new, final)
     assert (final / "__0_0.distcp").read_text() == "new"
     assert layout.read_manifest(final).state_dict_type == "sharded"
-    assert layout.leftovers(final) == []
+    assert layout.leftovers(final) == sorted(running)
     # A file replaces a directory (state_dict_type changed between saves), and the other way round.
     tmp_file = tmp_path / "last.ckpt.tmp-file"
-    tmp_file.write_text("full")
+    torch.save({"global_step": 3}, tmp_file)
     layout.commit(tmp_file, final)
-    assert final.read_text() == "full" and layout.leftovers(final) == []
+    assert torch.load(final)["global_step"] == 3 and layout.leftovers(final) == sorted(running)
     layout.commit(_complete_dir(tmp_path / "last.ckpt.tmp-dir", "again"), final)
     assert (final / "__0_0.distcp").read_text() == "again"
     ckpt.remove_checkpoint(final)
@@ -173,6 +225,84 @@ def test_incomplete_checkpoints_are_refused_with_a_clear_message(tmp_path: Path)
     (final / layout.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ckpt.CheckpointError, match="layout version 99 is not supported"):
         layout.read_manifest(final)
+
+
+def _user_directory(path: Path) -> dict[str, str]:
+    """An ordinary directory of the user's (not a checkpoint), and its content."""
+    (path / "sub").mkdir(parents=True)
+    content = {"notes.txt": "results of a month", "sub/data.csv": "1,2,3", "meta.pt": "not ours either"}
+    for name, text in content.items():
+        (path / name).write_text(text)
+    return content
+
+
+def _content(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): p.read_text() for p in path.rglob("*") if p.is_file()}
+
+
+def test_saving_onto_an_ordinary_directory_or_file_is_refused_and_leaves_it_untouched(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    context = ckpt.CheckpointContext(world_size=1)
+    target = tmp_path / "results"
+    content = _user_directory(target)
+    for kind in ("sharded", "full"):
+        state = ckpt.sharded_model_state(model) if kind == "sharded" else ckpt.full_model_state(model)
+        with pytest.raises(ckpt.CheckpointError, match=r"'.*results': it is a directory that is not a checkpoint"):
+            ckpt.save_checkpoint({"state_dict": state}, target, module=model, context=context, state_dict_type=kind)  # type: ignore[arg-type]
+        assert _content(target) == content and layout.leftovers(target) == []
+    # The commit itself refuses too (a directory that appeared while the shards were written).
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint"):
+        layout.commit(_complete_dir(tmp_path / "results.tmp-1", "new"), target)
+    assert _content(target) == content
+    # A file that is not a checkpoint is not replaced either; a checkpoint file is, and an empty directory.
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(ckpt.CheckpointError, match=r"'.*notes\.txt': it is a file that is not a checkpoint"):
+        ckpt.save_checkpoint({"state_dict": ckpt.full_model_state(model)}, notes, module=model, context=context)
+    assert notes.read_text() == "mine"
+    for existing in (tmp_path / "empty", tmp_path / "other.ckpt"):
+        if existing.name == "empty":
+            existing.mkdir()
+        else:
+            torch.save({"state_dict": model.state_dict()}, existing)  # Lightning DDP's checkpoint, say
+        ckpt.save_checkpoint({"state_dict": ckpt.sharded_model_state(model)}, existing, module=model, context=context)
+        assert ckpt.read_manifest(existing).state_dict_type == "sharded"
+
+
+def test_consolidating_onto_an_ordinary_directory_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    src = tmp_path / "src.ckpt"
+    ckpt.save_checkpoint(
+        {"state_dict": ckpt.sharded_model_state(model)}, src, module=model, context=ckpt.CheckpointContext(1)
+    )
+    target = tmp_path / "out"
+    content = _user_directory(target)
+    assert consolidate_main([str(src), str(target)]) == 2
+    assert "is a directory that is not a checkpoint" in capsys.readouterr().err
+    assert _content(target) == content and layout.leftovers(target) == []
+
+
+def _save_plan_repeatedly(path: Path, index: int) -> None:
+    plan = Plan({"": "no_shard", "h.0": ("full_shard", index + 1)})
+    for _ in range(300):
+        plan.save(path)
+
+
+def test_plan_save_is_atomic_under_many_concurrent_writers(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    # Forked: the writers need this process's imports, not a fresh interpreter each.
+    fork = multiprocessing.get_context("fork")
+    procs = [fork.Process(target=_save_plan_repeatedly, args=(path, i)) for i in range(8)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=300)
+    assert [proc.exitcode for proc in procs] == [0] * 8
+    # The file is one writer's complete plan, and no temporary file is left beside it.
+    assert Plan.load(path).decisions[""] == Decision("no_shard")
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 
 
 # ============================================================================================== real runs
@@ -354,6 +484,28 @@ def test_incompatible_checkpoints_are_refused_naming_the_keys(runs: Any) -> None
 
 
 @multiprocess
+def test_a_flipped_bit_in_one_rank_shard_fails_every_rank_naming_the_file(runs: Any) -> None:
+    for rank in range(2):  # rank 0 checked the file, rank 1 raises the same error (no rank is left waiting)
+        kind, message = runs("bad_bits", rank)["error"]
+        assert kind == "CorruptCheckpointError"
+        assert "__1_0.distcp (checksum crc32:" in message and "changed after the save" in message
+
+
+@multiprocess
+def test_a_shard_deleted_with_its_manifest_entry_is_named(runs: Any, tmp_path: Path) -> None:
+    path = tmp_path / "lost.ckpt"
+    shutil.copytree(runs.path / "A_osdp" / "step=5.ckpt", path)
+    (path / "__1_0.distcp").unlink()
+    manifest = json.loads((path / layout.MANIFEST).read_text())
+    del manifest["files"]["__1_0.distcp"], manifest["checksums"]["__1_0.distcp"]
+    (path / layout.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=r"places data in '__1_0\.distcp'.*a shard was lost"):
+        ckpt.load_checkpoint(path)
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=r"'__1_0\.distcp'"):
+        ckpt.consolidate(path, tmp_path / "out.ckpt")
+
+
+@multiprocess
 def test_saved_plan_and_resume_decision(runs: Any) -> None:
     saved = ckpt.saved_plan(runs.path / "A_osdp" / "step=5.ckpt")
     # The run set no budget: it recorded none (the device's capacity drifts between runs and must not force a
@@ -393,7 +545,30 @@ def test_consolidated_checkpoint_loads_without_osdp_and_equals_what_ddp_writes(r
     # A half-written directory is refused by the command too.
     half = tmp_path / "x.ckpt.tmp-1"
     half.mkdir()
-    assert ckpt.consolidation.main([str(half), str(tmp_path / "y.ckpt")]) == 2  # `osdp consolidate`'s refusal
+    assert consolidate_main([str(half), str(tmp_path / "y.ckpt")]) == 2  # `osdp consolidate`'s refusal
+
+
+# ============================================================================================== concurrent saves
+@multiprocess
+def test_concurrent_saves_to_one_path_all_complete(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RUNNER), str(tmp_path), "save-concurrently", str(path), "40"],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    # No save deleted another's temporary directory or file while it was being written.
+    assert [p.returncode for p in procs] == [0] * 4, [err[-3000:] for _, err in outputs]
+    assert all(out.strip() == "saved 40" for out, _ in outputs)
+    checkpoint = ckpt.load_checkpoint(path)
+    assert checkpoint["global_step"] == 39 and layout.leftovers(path) == []
 
 
 # ============================================================================================== kill during save

@@ -96,6 +96,11 @@ class SliceMap:
             return tuple(shape)
         return (alias.full_rows, *shape[1:])
 
+    def canonical_shapes(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+        """Live parameter name -> shape (a split module's slices among them) -> the unsplit model's name -> shape:
+        what a checkpoint of this module holds, whatever the splits."""
+        return {self.canonical(name): self.canonical_shape(name, shape) for name, shape in shapes.items()}
+
     def alias_in_path(self, path: Sequence[Any]) -> tuple[tuple[Any, ...], SliceAlias] | None:
         """For a nested state-dict path (``("optimizer_0", "state", "fc.slices.1.weight", "exp_avg")``), the same
         path spelled with the unsplit name, and the slice's alias; ``None`` when no element names a slice."""

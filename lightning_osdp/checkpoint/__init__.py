@@ -3,12 +3,15 @@
 ``sharded`` (default): a directory written by every rank in parallel with torch.distributed.checkpoint, keyed by the
 unsharded model's own state-dict names, plus Lightning's metadata, the plan and the profile; it loads under any plan
 and world size. ``full``: one consolidated ``torch.save`` file, as Lightning's DDP writes. :func:`consolidate` turns
-the first into the second. Saves are atomic; incomplete or mismatched checkpoints are refused with a message that
-names the problem. See ``docs/checkpointing.md``.
+the first into the second. Saves are atomic and replace only checkpoints; incomplete, corrupted (checksums) or
+mismatched checkpoints are refused with a message that names the problem, and nothing in a checkpoint runs when it is
+read (``unpickle``). See ``docs/checkpointing.md``.
 """
 
+import warnings
+
 from lightning_osdp.apply.state_dict import SliceMap
-from lightning_osdp.checkpoint.consolidation import consolidate
+from lightning_osdp.checkpoint.consolidate import consolidate
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.dispatch import (
     StateDictType,
@@ -18,7 +21,13 @@ from lightning_osdp.checkpoint.dispatch import (
     load_optimizer_states,
     save_checkpoint,
 )
-from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompleteCheckpointError
+from lightning_osdp.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UntrustedContentError,
+)
 from lightning_osdp.checkpoint.full import (
     full_model_state,
     full_optimizer_state,
@@ -43,6 +52,7 @@ __all__ = [
     "CheckpointContext",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "Manifest",
     "PlanChoice",
@@ -50,6 +60,7 @@ __all__ = [
     "ShardedState",
     "SliceMap",
     "StateDictType",
+    "UntrustedContentError",
     "consolidate",
     "describe_resume",
     "full_model_state",
@@ -74,3 +85,11 @@ __all__ = [
     "sharded_model_state",
     "sharded_optimizer_state",
 ]
+
+# NOTE: the module `consolidate` is named after the function it defines, which this package exports under the same
+# name, so `python -m lightning_osdp.checkpoint.consolidate` finds the module already imported (by the import
+# above) and runpy warns that this "may result in unpredictable behaviour". It cannot here: the module holds no
+# state, and run as __main__ it only calls `main`. Only that one warning is silenced.
+warnings.filterwarnings(
+    "ignore", message=r"'lightning_osdp\.checkpoint\.consolidate' found in sys\.modules", category=RuntimeWarning
+)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -34,6 +34,15 @@ def broadcast(obj: T, src: int = 0) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src)
     return box[0]
+
+
+def all_gather(obj: T) -> list[T]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def on_rank_zero(fn: Callable[[], None], what: str) -> None:

@@ -19,6 +19,7 @@ from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_osdp.checkpoint.full import load_full_model_state, load_full_optimizer_state, save_full_checkpoint
+from lightning_osdp.checkpoint.integrity import verify_records
 from lightning_osdp.checkpoint.sharded import (
     ShardedState,
     load_sharded_model_state,
@@ -26,6 +27,7 @@ from lightning_osdp.checkpoint.sharded import (
     open_sharded_checkpoint,
     save_sharded_checkpoint,
 )
+from lightning_osdp.checkpoint.unpickle import load_torch_file, weights_only_refusal
 
 __all__ = [
     "StateDictType",
@@ -60,25 +62,55 @@ def load_checkpoint(
     path: str | Path,
     *,
     read_file: Callable[[Path], dict[str, Any]] | None = None,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Lightning's checkpoint dict of ``path``: a sharded directory (tensors left on disk as
     :class:`~lightning_osdp.checkpoint.ShardedState`) or a full file (read with ``read_file``, ``torch.load`` by
-    default). Refuses an incomplete directory; reads no tensor of a directory, and runs no collective.
+    default). Refuses an incomplete or corrupted checkpoint (every file, or every record of a full file, is checked
+    against its checksum first, each rank checking a share: a collective when a process group is initialised), and
+    reads no tensor of a directory.
+
+    Args:
+        weights_only: create only plain data and tensors from the checkpoint's pickles; ``None`` means ``True``, as
+            for ``torch.load``. ``False`` trusts the checkpoint: Lightning's ``Trainer.fit(..., weights_only=...)``
+            passes the user's choice here (see ``unpickle``'s [Note: pickles in a checkpoint]). ``read_file`` is
+            given the same choice by its caller.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read; its subclasses say why (incomplete, corrupt, or holding
+            objects that only a trusted load creates).
     """
     path = Path(path)
+    trusted = weights_only is False
     if not path.exists():
         raise layout.missing_checkpoint_error(path)
     if path.is_dir():
-        checkpoint = open_sharded_checkpoint(path)
-    else:
-        try:
-            checkpoint = (read_file or _torch_load)(path)
-        except Exception as err:
-            raise CheckpointError(
-                f"cannot read checkpoint file {str(path)!r} ({type(err).__name__}: {err}); if a save was interrupted, "
-                "its temporary file is incomplete: load the previous checkpoint"
-            ) from err
-    return checkpoint
+        return open_sharded_checkpoint(path, weights_only=not trusted)
+    verify_records(path, shared=True)
+    if read_file is None:
+        return _as_checkpoint(load_torch_file(path, weights_only=not trusted, what=""), path)
+    try:
+        return _as_checkpoint(read_file(path), path)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        refusal = weights_only_refusal(err, path, "")
+        if refusal is not None:
+            raise refusal from None
+        raise _unreadable(path, err) from err
+
+
+def _as_checkpoint(content: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(content, dict):
+        raise CheckpointError(f"checkpoint file {str(path)!r} does not hold a checkpoint dict")
+    return content
+
+
+def _unreadable(path: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"cannot read checkpoint file {str(path)!r} ({type(err).__name__}: {err}); if a save was interrupted, its "
+        "temporary file is incomplete: load the previous checkpoint"
+    )
 
 
 def load_model_state(module: nn.Module, checkpoint: Mapping[str, Any], *, strict: bool = True) -> None:
@@ -115,11 +147,6 @@ def _source(checkpoint: Mapping[str, Any]) -> str:
     if isinstance(state, ShardedState):
         return repr(str(state.path))
     return "(a full checkpoint file)"
-
-
-def _torch_load(path: Path) -> dict[str, Any]:
-    checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-    return checkpoint
 
 
 def describe_resume(path: str | Path, checkpoint: Mapping[str, Any], context: CheckpointContext) -> str:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "IncompleteCheckpointError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "UntrustedContentError",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -11,6 +17,15 @@ class CheckpointError(RuntimeError):
 
 class IncompleteCheckpointError(CheckpointError):
     """A checkpoint whose save did not complete (killed mid-save), or whose files were lost or truncated since."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file whose bytes changed after the save: its checksum (or its records' CRCs) no longer match."""
+
+
+class UntrustedContentError(CheckpointError):
+    """A checkpoint file that holds objects other than plain data and tensors: creating them would run code from the
+    file, so it loads only when the caller trusts it (``weights_only=False``)."""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):

@@ -91,6 +91,7 @@ def save_full_checkpoint(
     tmp = layout.temporary_path(path, _dist.broadcast(layout.new_token()))
 
     def write_and_commit() -> None:
+        layout.check_replaceable(path)
         content = dict(checkpoint)
         content["osdp"] = context.full_entry(
             optimizers=len(checkpoint.get("optimizer_states", [])), checkpoint=checkpoint
@@ -114,7 +115,7 @@ def load_full_model_state(
     ``module``. Every rank passes the whole dict; keys and shapes are checked first."""
     slices = SliceMap.of(module)
     live: dict[str, Any] = get_model_state_dict(module)
-    expected = {slices.canonical(k): slices.canonical_shape(k, tuple(v.shape)) for k, v in live.items()}
+    expected = slices.canonical_shapes({k: v.shape for k, v in live.items()})
     saved = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
     check_model_keys(expected, saved, strict=strict, source=source)
     sliced = slices.unmerge_state({k: v for k, v in state_dict.items() if k in expected})
@@ -130,7 +131,7 @@ def load_full_optimizer_state(
     except CheckpointMismatchError as err:
         raise CheckpointMismatchError(f"checkpoint {source}: {err}") from None
     slices = SliceMap.of(module)
-    shapes = {slices.canonical(n): slices.canonical_shape(n, tuple(p.shape)) for n, p in module.named_parameters()}
+    shapes = slices.canonical_shapes({n: p.shape for n, p in module.named_parameters()})
     wrong = [
         f"{name}.{field}: checkpoint {tuple(value.shape)}, parameter {shapes[name]}"
         for name, entry in named["state"].items()

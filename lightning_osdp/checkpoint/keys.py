@@ -40,26 +40,12 @@ _SHOWN = 12
 def optimizer_param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The unsplit model's name of every parameter of ``optimizer``, group by group, in the optimizer's order.
 
-    A split parameter's slices are named once, at the first slice's position. A tied parameter takes its first
-    name in ``named_parameters()`` (``wte.weight``, not ``lm_head.weight``), as ``torch.distributed.checkpoint``
-    does.
+    A split parameter's slices are named once, at the first slice's position (the translation is
+    :meth:`SliceMap.canonical_param_groups`). A tied parameter takes its first name in ``named_parameters()``
+    (``wte.weight``, not ``lm_head.weight``), as ``torch.distributed.checkpoint`` does.
     """
-    slices = SliceMap.of(module)
-    names = {id(p): n for n, p in module.named_parameters()}
-    groups: list[list[str]] = []
-    for group in optimizer.param_groups:
-        listed: list[str] = []
-        for p in group["params"]:
-            if id(p) not in names:
-                raise CheckpointMismatchError(
-                    "the optimizer holds a parameter that is not a parameter of the model; OSDP checkpoints name "
-                    "optimizer states by parameter name"
-                )
-            name = slices.canonical(names[id(p)])
-            if name not in listed:
-                listed.append(name)
-        groups.append(listed)
-    return groups
+    groups = SliceMap.of(module).canonical_param_groups(named_param_groups(module, optimizer))
+    return [list(group["params"]) for group in groups]
 
 
 def optimizer_state_to_native(osd: Mapping[str, Any]) -> dict[str, Any]:
@@ -195,6 +181,11 @@ def named_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> l
     """``optimizer.param_groups`` with parameters named as ``module.named_parameters()`` names them (slice names
     for split modules), as ``get_optimizer_state_dict`` writes them."""
     names = {id(p): n for n, p in module.named_parameters()}
+    if any(id(p) not in names for group in optimizer.param_groups for p in group["params"]):
+        raise CheckpointMismatchError(
+            "the optimizer holds a parameter that is not a parameter of the model; OSDP checkpoints name optimizer "
+            "states by parameter name"
+        )
     return [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
         for group in optimizer.param_groups

@@ -10,7 +10,7 @@ A sharded checkpoint is a directory::
                             hyper-parameters, LR schedulers, precision plugin (torch.save)
         plan.json           the plan in force (lightning_osdp.plan format)
         profile.json        the model profile in force, when the strategy had one
-        osdp.json           the manifest, written last: format, world size, budget, and every file's size
+        osdp.json           the manifest, written last: format, world size, budget, every file's size and checksum
 
 A full (consolidated) checkpoint is one ``torch.save`` file: Lightning's checkpoint dict with the model's own
 state-dict keys, optimizer states in PyTorch's format, and an ``"osdp"`` entry (plan, profile, world size, budget).
@@ -23,6 +23,15 @@ every instant either the complete old checkpoint or the complete new one; the ol
 is then deleted manifest first. Without RENAME_EXCHANGE the old checkpoint is first renamed to
 ``<path>.old-<token>``: a kill in the instant between the two renames leaves it there, intact, and loading
 ``<path>`` says where it is.
+
+[Note: what a save may replace]
+A save replaces what is at its path only when that is a checkpoint: nothing, an empty directory, a checkpoint
+directory (every entry a file this layout writes), or a ``torch.save`` file (ours, or Lightning's own ``.ckpt``, as
+``last.ckpt`` is after switching strategies). Anything else, the user's results directory given by mistake say, is
+refused before any byte is written, and again at the commit, and is left as it was. Interrupted saves leave
+``<path>.tmp-<token>`` (and, rarely, ``<path>.old-<token>``) beside the path; a later save removes those only when
+the process that made them is gone (the token names its host and pid), so that two saves to one path at the same
+time never delete each other's files.
 
 The manifest is the commit record inside the directory: it is written after all shards and metadata (and
 ``fsync``ed), and deleted first when a checkpoint is removed. A directory without it, or whose files no longer have
@@ -37,14 +46,20 @@ import ctypes.util
 import json
 import logging
 import os
+import re
 import shutil
+import socket
+import stat
 import time
 import uuid
+import zipfile
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_osdp.checkpoint.errors import CheckpointError, IncompleteCheckpointError
+from lightning_osdp.checkpoint.integrity import CHECKSUM_PATTERN, file_checksum
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -54,6 +69,7 @@ __all__ = [
     "PLAN",
     "PROFILE",
     "Manifest",
+    "check_replaceable",
     "commit",
     "is_sharded_checkpoint",
     "leftovers",
@@ -92,6 +108,8 @@ class Manifest:
         files: every other file of the directory -> its size in bytes (empty for a full file).
         created: seconds since the epoch.
         versions: torch / lightning_osdp versions that wrote it.
+        checksums: file name -> ``"crc32:<hex>"`` of every file in ``files`` (see ``integrity``'s [Note:
+            checksums]); empty in checkpoints of lightning_osdp 0.1, which are checked by size only.
     """
 
     state_dict_type: str
@@ -105,23 +123,137 @@ class Manifest:
     files: dict[str, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     versions: dict[str, str] = field(default_factory=dict)
+    checksums: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (also the ``"osdp"`` entry of a full file, with the plan and profile inlined)."""
         return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, data: Any, source: str) -> Manifest:
-        """Parse a manifest; a foreign or newer document is a :class:`CheckpointError` naming ``source``."""
+    def from_dict(cls, data: Any, source: str, *, directory: bool = True) -> Manifest:
+        """Parse and check a manifest (``directory``), or the ``"osdp"`` entry of a full file (whose ``plan`` and
+        ``profile`` are the documents themselves, returned as ``None`` here).
+
+        Every field is checked for its type and range, and every file name for being a plain name inside the
+        directory (no path, no ``..``) that ``files`` lists: the manifest is data from the checkpoint, as trusted as
+        the checkpoint. Unknown fields are ignored (a later release may add some).
+
+        Raises:
+            CheckpointError: naming ``source``, the field, what it accepts and what it holds.
+        """
         if not isinstance(data, dict) or data.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{source}: not a lightning_osdp checkpoint manifest")
-        if data.get("version") != CHECKPOINT_VERSION:
+        version = data.get("version")
+        if type(version) is not int or version != CHECKPOINT_VERSION:
             raise CheckpointError(
-                f"{source}: checkpoint layout version {data.get('version')!r} is not supported (this "
-                f"lightning_osdp reads version {CHECKPOINT_VERSION})"
+                f"{source}: checkpoint layout version {version!r} is not supported (this lightning_osdp reads "
+                f"version {CHECKPOINT_VERSION})"
             )
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        check = _Fields(data, source)
+        kind = check.get("state_dict_type", "'sharded' or 'full'", lambda v: v in ("sharded", "full"))
+        if directory and kind != "sharded":
+            raise CheckpointError(
+                f"{source}: field 'state_dict_type' of a checkpoint directory must be 'sharded', got {kind!r}"
+            )
+        files = check.get(
+            "files",
+            "an object mapping plain file names to sizes in bytes",
+            lambda v: isinstance(v, dict) and all(_plain_name(k) and _count(v[k], 0) for k in v),
+            default={},
+        )
+        checksums = check.get(
+            "checksums",
+            "an object mapping files of 'files' to 'crc32:<8 hex digits>'",
+            lambda v: (
+                isinstance(v, dict)
+                and all(k in files and isinstance(c, str) and re.fullmatch(CHECKSUM_PATTERN, c) for k, c in v.items())
+            ),
+            default={},
+        )
+        if directory:
+            plan, profile = (check.file_name(name, files) for name in ("plan", "profile"))
+        else:
+            for name in ("plan", "profile"):
+                check.get(name, "an object or null", lambda v: v is None or isinstance(v, dict), default=None)
+            plan = profile = None
+        return cls(
+            state_dict_type=kind,
+            world_size=check.get("world_size", "an integer >= 1", lambda v: _count(v, 1)),
+            memory_budget=check.get(
+                "memory_budget", "a number of bytes (an integer > 0) or null", lambda v: v is None or _count(v, 1)
+            ),
+            optimizers=check.get("optimizers", "an integer >= 0", lambda v: _count(v, 0), default=0),
+            plan=plan,
+            profile=profile,
+            global_step=check.get(
+                "global_step", "an integer >= 0 or null", lambda v: v is None or _count(v, 0), default=None
+            ),
+            epoch=check.get("epoch", "an integer >= 0 or null", lambda v: v is None or _count(v, 0), default=None),
+            files=files,
+            created=check.get(
+                "created",
+                "a time in seconds",
+                lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+                default=0.0,
+            ),
+            versions=check.get(
+                "versions",
+                "an object of strings",
+                lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                default={},
+            ),
+            checksums=checksums,
+        )
+
+
+def _count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name inside a directory: no separator, not ``.`` or ``..``, not empty."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(sep in name for sep in ("/", "\\", "\0"))
+        and os.path.basename(name) == name
+    )
+
+
+class _Fields:
+    """The fields of one manifest document, each read with its check."""
+
+    def __init__(self, data: dict[str, Any], source: str) -> None:
+        self.data = data
+        self.source = source
+
+    def get(self, name: str, accepted: str, ok: Callable[[Any], bool], **default: Any) -> Any:
+        if name not in self.data:
+            if "default" in default:
+                return default["default"]
+            raise CheckpointError(f"{self.source}: field {name!r} is missing")
+        value = self.data[name]
+        if not ok(value):
+            raise CheckpointError(f"{self.source}: field {name!r} must be {accepted}, got {_shown(value)}")
+        return value
+
+    def file_name(self, name: str, files: dict[str, int]) -> str | None:
+        value = self.data.get(name)
+        if value is None:
+            return None
+        if not _plain_name(value):
+            raise CheckpointError(
+                f"{self.source}: field {name!r} must name a file of the checkpoint (a plain file name inside its "
+                f"directory) or be null, got {_shown(value)}"
+            )
+        if value not in files:
+            raise CheckpointError(f"{self.source}: field {name!r} names {value!r}, which is not listed in 'files'")
+        return str(value)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -130,8 +262,37 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def new_token() -> str:
-    """A name component unique to one save (time, process, random), for the temporary path."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A name component unique to one save, for the temporary path: time, host, process id, random. The host and pid
+    tell a later save whether the process that wrote a leftover is still running (see :func:`abandoned`)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "_"
+
+
+def abandoned(leftover: Path) -> bool:
+    """Whether ``leftover`` (a ``.tmp-<token>`` or ``.old-<token>`` sibling) was left by a process that is gone: one
+    of this host whose pid no longer runs. A leftover of another host, or of a live process (a save in progress, in
+    this process or another), is not abandoned."""
+    parts = re.split(r"\.(?:tmp|old)-", leftover.name)[-1].split("-")
+    # `<date>-<time>-<host>-<pid>-<hex>`; lightning_osdp 0.1 wrote `<date>-<time>-<pid>-<hex>`, and ran on one host.
+    if len(parts) == 5:
+        host, pid_text = parts[2], parts[3]
+    elif len(parts) == 4:
+        host, pid_text = _host(), parts[2]
+    else:
+        return False  # not a name a save of ours makes: not ours to delete
+    if host != _host() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    pid = int(pid_text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists, owned by someone else
+        return False
+    return False
 
 
 def temporary_path(path: Path, token: str) -> Path:
@@ -148,14 +309,18 @@ def leftovers(path: Path) -> list[Path]:
     return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes))
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Record every file of ``directory`` with its size, then write the manifest durably (the commit record)."""
+def write_manifest(directory: Path, manifest: Manifest, checksums: Mapping[str, str] | None = None) -> None:
+    """Record every file of ``directory`` with its size and checksum, then write the manifest durably (the commit
+    record). ``checksums`` are those computed while the files were written (``integrity.written_checksums``); the
+    others are computed here, by reading the file."""
     files = [p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST]
     for file in files:
         # The manifest vouches for these files: they must be on disk before it is (DCP's are already synced).
         with open(file, "rb") as f:
             os.fsync(f.fileno())
+    known = checksums or {}
     manifest.files = {p.name: p.stat().st_size for p in files}
+    manifest.checksums = {p.name: known.get(p.name) or file_checksum(p) for p in files}
     _write_durably(directory / MANIFEST, (json.dumps(manifest.to_dict(), indent=1) + "\n").encode())
     _fsync_directory(directory)
 
@@ -181,11 +346,12 @@ def read_manifest(path: Path) -> Manifest:
             "previous complete checkpoint instead" + (f" ({str(sibling)!r})." if sibling else ".")
         )
     try:
-        manifest = Manifest.from_dict(json.loads(manifest_path.read_text()), str(manifest_path))
-    except json.JSONDecodeError as err:
+        document = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise IncompleteCheckpointError(
-            f"refusing to load checkpoint {str(path)!r}: unreadable manifest ({err})"
+            f"refusing to load checkpoint {str(path)!r}: unreadable manifest ({type(err).__name__}: {err})"
         ) from None
+    manifest = Manifest.from_dict(document, str(manifest_path))
     lost = []
     for name, size in manifest.files.items():
         file = path / name
@@ -219,6 +385,7 @@ def commit(tmp: Path, path: Path) -> None:
 
     Called by one process (rank 0) once every rank's files are written.
     """
+    check_replaceable(path)
     if tmp.is_dir():
         _fsync_directory(tmp)
     if not os.path.lexists(path):
@@ -235,9 +402,73 @@ def commit(tmp: Path, path: Path) -> None:
         _remove(aside)
     _fsync_directory(path.parent)
     for stale in leftovers(path):
-        # Earlier interrupted saves of this path, superseded now that a save completed.
-        log.info("removing %s, left by an interrupted save", stale)
-        _remove(stale)
+        # Earlier interrupted saves of this path, superseded now that a save completed; a save still in progress (in
+        # another process: two saves to one path) keeps its files.
+        if abandoned(stale):
+            log.info("removing %s, left by an interrupted save", stale)
+            _remove(stale)
+
+
+#: Names a checkpoint directory holds: DCP's shard files and index (and its temporary index), and ours.
+_LAYOUT_NAMES = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?")
+
+
+def check_replaceable(path: Path) -> None:
+    """Raise :class:`CheckpointError` unless a save may replace what is at ``path`` (see [Note: what a save may
+    replace]): nothing, a symbolic link (the link is replaced, not what it points to), an empty file or a
+    ``torch.save`` file, an empty directory or a checkpoint directory."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        return
+    if stat.S_ISREG(mode):
+        try:
+            with open(path, "rb") as f:
+                # On the open file: another save may swap what is at `path` at any instant.
+                if os.fstat(f.fileno()).st_size == 0 or zipfile.is_zipfile(f):
+                    return
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:
+            mode = stat.S_IFDIR  # replaced by another save's checkpoint directory meanwhile: check that
+        else:
+            raise CheckpointError(
+                f"refusing to save to {str(path)!r}: it is a file that is not a checkpoint (not a torch.save file), "
+                "and saving would replace it. Choose another path, or move that file away first"
+            )
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(f"refusing to save to {str(path)!r}: it is neither a file nor a directory")
+    foreign = _foreign_entries(path)
+    if foreign:
+        shown = ", ".join(repr(name) for name in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"refusing to save to {str(path)!r}: it is a directory that is not a checkpoint (it holds {shown}, "
+            "which no checkpoint save writes), and saving would replace it with everything in it. Choose another "
+            "path, or move that directory away first"
+        )
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """Entries of ``directory`` that no checkpoint save writes (sub-directories included), sorted. Entries that
+    vanish while they are listed (another save replacing the same checkpoint) are not foreign."""
+    ours = {MANIFEST, META, PLAN, PROFILE}
+    foreign = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):  # replaced meanwhile, by another save of this path
+        return []
+    for entry in entries:
+        try:
+            plain_file = entry.is_file(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if plain_file and (entry.name in ours or _LAYOUT_NAMES.fullmatch(entry.name)):
+            continue
+        if os.path.lexists(entry.path):
+            foreign.append(entry.name)
+    return sorted(foreign)
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:

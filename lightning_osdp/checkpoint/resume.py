@@ -16,10 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import layout
-from lightning_osdp.checkpoint.errors import CheckpointError
-from lightning_osdp.plan import Plan
+from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from lightning_osdp.checkpoint.integrity import verify_checksums
+from lightning_osdp.checkpoint.keys import check_model_keys
+from lightning_osdp.checkpoint.sharded import saved_model_shapes
+from lightning_osdp.checkpoint.unpickle import SkimmedTensor, skim
+from lightning_osdp.plan import Plan, PlanError
 
 __all__ = ["PlanChoice", "SavedPlan", "resume_plan", "saved_plan"]
 
@@ -34,6 +40,8 @@ class SavedPlan:
         world_size: ranks of the saving run.
         memory_budget: per-device budget in bytes the saving run planned for, or ``None`` if unknown.
         source: the checkpoint path.
+        shapes: the checkpoint's model keys (the unsplit model's names) -> shapes, when known: what the plan was
+            made for, compared with the model before the plan is reused.
     """
 
     plan: Plan
@@ -41,6 +49,7 @@ class SavedPlan:
     world_size: int
     memory_budget: int | None
     source: str
+    shapes: dict[str, tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,49 +67,90 @@ class PlanChoice:
 
 def saved_plan(path: str | os.PathLike[str]) -> SavedPlan | None:
     """The plan saved in checkpoint ``path`` (a sharded directory or a full file), or ``None`` if it has none
-    (a checkpoint of another strategy). Cheap: reads the manifest and plan files, or only the ``"osdp"`` entry of a
-    full file (memory-mapped, tensors untouched). No collective; call it on every rank or broadcast the result.
+    (a checkpoint of another strategy). Cheap, and runs no code from the checkpoint: reads the manifest, the plan and
+    profile files and DCP's index (each checked against its checksum), or only the pickle of a full file, skimmed
+    (see ``unpickle``'s [Note: pickles in a checkpoint]: the plan comes out whatever else the file holds, tensors
+    untouched). No collective; call it on every rank or broadcast the result.
 
     Raises:
-        IncompleteCheckpointError: a directory whose save did not complete.
+        CheckpointError: a directory whose save did not complete, a file that changed since, a manifest or
+            ``"osdp"`` entry that is not what a save writes.
     """
     path = Path(path)
     if not path.exists():
         raise layout.missing_checkpoint_error(path)
     if path.is_dir():
-        manifest = layout.read_manifest(path)
-        if manifest.plan is None:
-            return None
-        profile = json.loads((path / manifest.profile).read_text()) if manifest.profile else None
-        return SavedPlan(
-            Plan.load(path / manifest.plan), profile, manifest.world_size, manifest.memory_budget, str(path)
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:  # a truncated or foreign file: say which
-        raise CheckpointError(f"cannot read checkpoint file {str(path)!r}: {err}") from err
-    entry = checkpoint.get("osdp") if isinstance(checkpoint, dict) else None
-    if not entry or not entry.get("plan"):
+        return _saved_in_directory(path)
+    content = skim(path)
+    entry = content.get("osdp") if isinstance(content, dict) else None
+    if not isinstance(entry, dict) or not entry.get("plan"):
         return None
+    source = f"{path}['osdp']"
+    manifest = layout.Manifest.from_dict(entry, source, directory=False)
+    state = content.get("state_dict")
+    shapes = (
+        {k: v.shape for k, v in state.items() if isinstance(k, str) and isinstance(v, SkimmedTensor)}
+        if isinstance(state, dict)
+        else None
+    )
     return SavedPlan(
-        Plan.from_dict(entry["plan"], source=f"{path}['osdp']['plan']"),
+        Plan.from_dict(entry["plan"], source=f"{source}['plan']"),
         entry.get("profile"),
-        int(entry.get("world_size", 0)),
-        entry.get("memory_budget"),
+        manifest.world_size,
+        manifest.memory_budget,
         str(path),
+        shapes or None,
     )
 
 
-def resume_plan(saved: SavedPlan | None, *, world_size: int, memory_budget: int | None) -> PlanChoice:
-    """Reuse ``saved`` if it was made for this world size and budget, else say why the strategy must plan again.
+def _saved_in_directory(path: Path) -> SavedPlan | None:
+    manifest = layout.read_manifest(path)
+    if manifest.plan is None:
+        return None
+    verify_checksums(path, manifest, [n for n in (manifest.plan, manifest.profile, ".metadata") if n])
+    profile = None
+    if manifest.profile:
+        try:
+            profile = json.loads((path / manifest.profile).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise CheckpointError(f"checkpoint {str(path)!r}: unreadable {manifest.profile} ({err})") from None
+    return SavedPlan(
+        Plan.load(path / manifest.plan),
+        profile,
+        manifest.world_size,
+        manifest.memory_budget,
+        str(path),
+        saved_model_shapes(path, manifest),
+    )
+
+
+def resume_plan(
+    saved: SavedPlan | None, *, world_size: int, memory_budget: int | None, module: nn.Module | None = None
+) -> PlanChoice:
+    """Reuse ``saved`` if it was made for this world size, budget and model, else say why the strategy must plan
+    again.
 
     The returned ``reason`` is meant for the log, e.g. ``"reusing the plan saved in ckpt/last.ckpt (same 2 ranks
     and 6.0 GiB budget): no profiling"``.
+
+    Args:
+        module: the model about to be trained (unsharded). Given, the checkpoint's model keys and shapes are compared
+            with it first, and a plan that does not fit it is not reused.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint is of another model (its keys or shapes differ from ``module``'s), so
+            the load would fail after profiling and solving: it fails now, naming the keys.
     """
     from lightning_osdp.budget import format_bytes
 
     if saved is None:
         return PlanChoice(None, None, "the checkpoint holds no OSDP plan: planning")
+    if module is not None:
+        unfit = _does_not_fit(saved, module)
+        if unfit is not None:
+            return PlanChoice(
+                None, None, f"re-planning: the plan saved in {saved.source} does not fit this model ({unfit})"
+            )
     if saved.world_size != world_size:
         return PlanChoice(
             None,
@@ -123,3 +173,23 @@ def resume_plan(saved: SavedPlan | None, *, world_size: int, memory_budget: int 
         f"reusing the plan saved in {saved.source} (same {world_size} ranks and {budget} budget per device): "
         "no profiling or solving",
     )
+
+
+def _does_not_fit(saved: SavedPlan, module: nn.Module) -> str | None:
+    """Why ``saved.plan`` cannot be applied to ``module`` (``None``: it can). A checkpoint whose model keys or
+    shapes differ from the module's raises: it will not load either."""
+    if saved.shapes is not None:
+        slices = SliceMap.of(module)
+        live = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+        expected = slices.canonical_shapes(live)
+        try:
+            check_model_keys(
+                expected, saved.shapes, strict=bool(getattr(module, "strict_loading", True)), source=repr(saved.source)
+            )
+        except CheckpointMismatchError as err:
+            raise CheckpointMismatchError(f"{err} (found before planning, from the checkpoint's index)") from None
+    try:
+        saved.plan.validate(module)
+    except PlanError as err:
+        return str(err)
+    return None

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,6 +31,8 @@ from lightning_osdp._compat import dcp_load_into_empty
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import _dist, layout
 from lightning_osdp.checkpoint.context import CheckpointContext
+from lightning_osdp.checkpoint.errors import CheckpointError, IncompleteCheckpointError
+from lightning_osdp.checkpoint.integrity import checksumming_writer, verify_checksums, verify_shared, written_checksums
 from lightning_osdp.checkpoint.keys import (
     check_model_keys,
     check_optimizer_state,
@@ -39,6 +41,7 @@ from lightning_osdp.checkpoint.keys import (
     split_state_keys,
 )
 from lightning_osdp.checkpoint.planners import SliceLoadPlanner, SliceSavePlanner
+from lightning_osdp.checkpoint.unpickle import IndexedReader, load_torch_file, read_dcp_index
 
 __all__ = [
     "MODEL_KEY",
@@ -54,6 +57,8 @@ __all__ = [
 
 #: DCP top-level key of the model state (optimizer ``i`` is under ``optimizer_<i>``).
 MODEL_KEY = "state_dict"
+#: DCP's index of a checkpoint directory.
+_INDEX = ".metadata"
 #: Lightning's checkpoint entries that hold tensors; everything else goes to ``meta.pt``.
 _TENSOR_ENTRIES = ("state_dict", "optimizer_states")
 
@@ -73,10 +78,12 @@ class ShardedState:
     Attributes:
         path: the checkpoint directory.
         key: the DCP top-level key (``"state_dict"``, ``"optimizer_0"``...).
+        weights_only: read the checkpoint's pickles as plain data only (see :func:`open_sharded_checkpoint`).
     """
 
     path: Path
     key: str
+    weights_only: bool = True
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -111,6 +118,7 @@ def save_sharded_checkpoint(
     """
     path = Path(_dist.broadcast(str(path)))
     tmp = layout.temporary_path(path, _dist.broadcast(layout.new_token()))
+    _dist.on_rank_zero(lambda: layout.check_replaceable(path), f"saving checkpoint {str(path)!r}")
     slices = SliceMap.of(module)
     optimizer_states = list(checkpoint.get("optimizer_states", []))
     tensors: dict[str, Any] = {MODEL_KEY: checkpoint.get("state_dict", {})}
@@ -118,7 +126,10 @@ def save_sharded_checkpoint(
         tensors[_optimizer_key(i)] = {**osd, "param_groups": slices.canonical_param_groups(osd["param_groups"])}
     # DCP's collectives end with the coordinator's `finish` (it writes `.metadata` after gathering every rank's
     # write results), so once `save` returns on rank 0 every rank's shard file is complete and synced.
-    dcp.save(tensors, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=SliceSavePlanner(slices))
+    writer = checksumming_writer(tmp)
+    dcp.save(tensors, storage_writer=writer, planner=SliceSavePlanner(slices))
+    # Each rank's checksums of the files it wrote, for the manifest (see `integrity`'s [Note: checksums]).
+    checksums = {name: crc for share in _dist.all_gather(written_checksums(writer)) for name, crc in share.items()}
 
     def finish() -> None:
         meta = {k: v for k, v in checkpoint.items() if k not in _TENSOR_ENTRIES}
@@ -130,7 +141,7 @@ def save_sharded_checkpoint(
         if context.profile is not None:
             (tmp / layout.PROFILE).write_text(json.dumps(context.profile.to_dict(), indent=1) + "\n")
             manifest.profile = layout.PROFILE
-        layout.write_manifest(tmp, manifest)
+        layout.write_manifest(tmp, manifest, checksums)
         layout.commit(tmp, path)
 
     # Every rank waits for the rename: a rank that loads or lists checkpoints right after must find it in place.
@@ -139,31 +150,125 @@ def save_sharded_checkpoint(
 
 
 # ---------------------------------------------------------------------------------------------- load
-def open_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
+def open_sharded_checkpoint(path: str | Path, *, weights_only: bool = True) -> dict[str, Any]:
     """Lightning's checkpoint dict of a sharded checkpoint directory, with the tensors left on disk.
 
-    Checks that the save completed (the manifest, every file's size) and returns ``meta.pt``'s content, with
-    :class:`ShardedState` references as ``"state_dict"`` and ``"optimizer_states"``, and the manifest as
-    ``"osdp"``. Reads no tensor; no collective.
+    Checks that the save completed (the manifest, every file's size), that no file changed since (their checksums,
+    each rank checking a share: a collective when a process group is initialised) and that DCP's index refers only
+    to those files; then returns ``meta.pt``'s content, with :class:`ShardedState` references as ``"state_dict"``
+    and ``"optimizer_states"``, and the manifest as ``"osdp"``. Reads no tensor.
+
+    Args:
+        weights_only: create only plain data and tensors from the checkpoint's pickles (``meta.pt``, DCP's index and
+            items); ``False`` trusts the checkpoint (see ``unpickle``'s [Note: pickles in a checkpoint]).
 
     Raises:
-        IncompleteCheckpointError: the save did not complete, or files were lost since.
+        IncompleteCheckpointError: the save did not complete, or files were lost or truncated since.
+        CorruptCheckpointError: a file's content changed since the save.
+        UntrustedContentError: ``meta.pt`` needs more than plain data and ``weights_only`` is set.
     """
     path = Path(path)
     if not path.exists():
         raise layout.missing_checkpoint_error(path)
     manifest = layout.read_manifest(path)
-    checkpoint: dict[str, Any] = torch.load(path / layout.META, map_location="cpu", weights_only=False)
-    checkpoint["state_dict"] = ShardedState(path, MODEL_KEY)
+    _require(path, manifest, (layout.META, _INDEX))
+    verify_shared(path, manifest)
+    read_index(path, manifest, weights_only=weights_only)
+    checkpoint = load_torch_file(path / layout.META, weights_only=weights_only, what=layout.META, source=path)
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{layout.META} of checkpoint {str(path)!r} does not hold Lightning's checkpoint dict")
+    checkpoint["state_dict"] = ShardedState(path, MODEL_KEY, weights_only)
     if manifest.optimizers:
-        checkpoint["optimizer_states"] = [ShardedState(path, _optimizer_key(i)) for i in range(manifest.optimizers)]
+        checkpoint["optimizer_states"] = [
+            ShardedState(path, _optimizer_key(i), weights_only) for i in range(manifest.optimizers)
+        ]
     checkpoint["osdp"] = manifest.to_dict()
     return checkpoint
 
 
-def _read_dcp_metadata(path: Path) -> Metadata:
-    """DCP's index of a checkpoint directory (every key's global shape and chunks)."""
-    return FileSystemReader(path).read_metadata()
+def _require(path: Path, manifest: layout.Manifest, names: Sequence[str]) -> None:
+    missing = [name for name in names if name not in manifest.files]
+    if missing:
+        raise IncompleteCheckpointError(
+            f"refusing to load checkpoint {str(path)!r}: its manifest lists no {', '.join(missing)}, which every "
+            "sharded checkpoint has"
+        )
+
+
+def read_index(path: Path, manifest: layout.Manifest, *, weights_only: bool = True) -> Metadata:
+    """DCP's index of checkpoint directory ``path`` (every key's global shape and chunks), read without running code
+    from it, after checking that it places data only in files the manifest lists, within their sizes, and holds the
+    optimizer states the manifest counts.
+
+    Raises:
+        IncompleteCheckpointError: the index places data in a file that is not there, or past its end.
+        UntrustedContentError: the index names other objects than an index holds.
+    """
+    _require(path, manifest, (_INDEX,))
+    index = read_dcp_index(path, weights_only=weights_only)
+    outside: dict[str, str] = {}
+    truncated: dict[str, str] = {}
+    if not isinstance(index.storage_data, dict):
+        raise CheckpointError(f"DCP's index of checkpoint {str(path)!r} is damaged: it locates no data")
+    for item, where in index.storage_data.items():
+        name, offset, length = (getattr(where, a, None) for a in ("relative_path", "offset", "length"))
+        fqn = getattr(item, "fqn", "?")
+        if not isinstance(name, str) or name not in manifest.files:
+            outside.setdefault(repr(name), fqn)
+        elif not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise CheckpointError(
+                f"DCP's index of checkpoint {str(path)!r} is damaged: it places {fqn!r} in {name} at offset "
+                f"{offset!r}, length {length!r}"
+            )
+        elif offset + length > manifest.files[name]:
+            truncated.setdefault(
+                name, f"{fqn!r} at bytes {offset}-{offset + length}, the file has {manifest.files[name]}"
+            )
+    if outside:
+        shown = ", ".join(f"{name} (for {fqn!r})" for name, fqn in sorted(outside.items()))
+        raise IncompleteCheckpointError(
+            f"refusing to load checkpoint {str(path)!r}: its index places data in {shown}, not a file of the "
+            "checkpoint: a shard was lost, or deleted with its entry in the manifest"
+        )
+    if truncated:
+        shown = ", ".join(f"{name} (its index places {where})" for name, where in sorted(truncated.items()))
+        raise IncompleteCheckpointError(
+            f"refusing to load checkpoint {str(path)!r}: {shown}: the file is truncated. Load another checkpoint"
+        )
+    found = {key.split(".", 1)[0] for key in index.state_dict_metadata if key.startswith("optimizer_")}
+    counted = {_optimizer_key(i) for i in range(manifest.optimizers)}
+    if not counted <= found:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: its manifest says it holds {manifest.optimizers} optimizer states, its index "
+            f"holds {len(found)} ({', '.join(sorted(found)) or 'none'})"
+        )
+    return index
+
+
+def _load(state: dict[str, Any], state_ref: ShardedState, index: Metadata, planner: SliceLoadPlanner) -> None:
+    """``dcp.load`` of ``state_ref``'s checkpoint, its failures raised as :class:`CheckpointError` naming the checkpoint
+    (our own errors, raised by the planner, as they are)."""
+    reader = IndexedReader(state_ref.path, index, weights_only=state_ref.weights_only)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except CheckpointException as err:
+        raise _unwrapped(err, state_ref.path) from None
+
+
+def _unwrapped(err: CheckpointException, path: Path) -> CheckpointError:
+    """The error DCP gathered from the ranks: ours if it is one, else a :class:`CheckpointError` naming the checkpoint
+    and the first rank's error."""
+    failures = [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+    for failure in failures:
+        if isinstance(failure, CheckpointError):
+            return failure
+    first = failures[0] if failures else err
+    return CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(first).__name__}: {first}")
+
+
+def saved_model_shapes(path: Path, manifest: layout.Manifest) -> dict[str, tuple[int, ...]]:
+    """The model's keys -> global shapes in a checkpoint directory, from its index (no tensor is read)."""
+    return _saved_shapes(read_index(path, manifest), MODEL_KEY)
 
 
 def _saved_shapes(metadata: Metadata, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -183,18 +288,14 @@ def load_sharded_model_state(module: nn.Module, state: ShardedState, *, strict: 
     model fails with a :class:`~lightning_osdp.checkpoint.CheckpointMismatchError` that names the keys.
     """
     slices = SliceMap.of(module)
-    metadata = _read_dcp_metadata(state.path)
+    metadata = read_index(state.path, layout.read_manifest(state.path), weights_only=state.weights_only)
     target: dict[str, Any] = get_model_state_dict(module)
-    expected = {slices.canonical(k): slices.canonical_shape(k, tuple(v.shape)) for k, v in target.items()}
+    expected = slices.canonical_shapes({k: v.shape for k, v in target.items()})
     saved = _saved_shapes(metadata, state.key)
     check_model_keys(expected, saved, strict=strict, source=repr(str(state.path)))
     if not strict:
         target = {k: v for k, v in target.items() if slices.canonical(k) in saved}
-    dcp.load(
-        {state.key: target},
-        storage_reader=FileSystemReader(state.path),
-        planner=SliceLoadPlanner(slices, allow_partial_load=not strict),
-    )
+    _load({state.key: target}, state, metadata, SliceLoadPlanner(slices, allow_partial_load=not strict))
     set_model_state_dict(module, target, options=StateDictOptions(strict=strict))
 
 
@@ -207,7 +308,7 @@ def load_sharded_optimizer_state(
     ``Optimizer.load_state_dict`` restores them under DDP.
     """
     slices = SliceMap.of(module)
-    metadata = _read_dcp_metadata(state.path)
+    metadata = read_index(state.path, layout.read_manifest(state.path), weights_only=state.weights_only)
     # The template of what to read; on an optimizer without state this runs a zero-gradient step to create it
     # (see `sharded_optimizer_state`), which the load below overwrites.
     if not optimizer.state:
@@ -228,25 +329,34 @@ def load_sharded_optimizer_state(
     # Parameters that had no state when the checkpoint was saved get none now (`load_state_dict` drops it).
     target["state"] = {n: v for n, v in target["state"].items() if slices.canonical(n) in saved}
     box = {state.key: target}
-    dcp.load(box, storage_reader=FileSystemReader(state.path), planner=SliceLoadPlanner(slices))
+    _load(box, state, metadata, SliceLoadPlanner(slices))
     loaded = box[state.key]
     loaded["param_groups"] = slices.sliced_param_groups(loaded["param_groups"])
     with keep_group_types(optimizer):
         set_optimizer_state_dict(module, optimizer, loaded)
 
 
-def read_sharded_tensors(path: str | Path, keys: Sequence[str] | None = None) -> dict[str, Any]:
+def read_sharded_tensors(
+    path: str | Path, keys: Sequence[str] | None = None, *, weights_only: bool = True, verify: bool = True
+) -> dict[str, Any]:
     """Every tensor of a sharded checkpoint, unsharded, in this process's memory, with no process group.
 
     Returns the nested DCP state: ``{"state_dict": {...}, "optimizer_0": {"state": ..., "param_groups": ...}}``,
     restricted to the top-level ``keys`` when given. For consolidation and inspection: it holds the whole model
-    (and optimizer state) in memory at once.
+    (and optimizer state) in memory at once. The files are checked first as :func:`open_sharded_checkpoint` checks
+    them (``verify=False``: their checksums were checked by the caller already).
     """
     path = Path(path)
     if not path.exists():
         raise layout.missing_checkpoint_error(path)
-    layout.read_manifest(path)
+    manifest = layout.read_manifest(path)
+    if verify:
+        verify_checksums(path, manifest)
+    index = read_index(path, manifest, weights_only=weights_only)
     state: dict[str, Any] = {}
     # The public `dcp.load` only fills keys the given state dict already has, and this one starts empty.
-    dcp_load_into_empty(state, FileSystemReader(path), keys)
+    try:
+        dcp_load_into_empty(state, IndexedReader(path, index, weights_only=weights_only), keys)
+    except CheckpointException as err:
+        raise _unwrapped(err, path) from None
     return state

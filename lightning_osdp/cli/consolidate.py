@@ -24,7 +24,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         raise CLIError(f"checkpoint {args.checkpoint!r} does not exist")
     try:
         with out.step(f"consolidating {args.checkpoint}"):
-            path = consolidate(args.checkpoint, args.out, optimizer=not args.weights_only)
+            path = consolidate(
+                args.checkpoint, args.out, optimizer=not args.weights_only, weights_only=not args.allow_pickle
+            )
     except CheckpointError as err:
         raise CLIError(str(err)) from None
     out.print(f"wrote {path} ({format_bytes(path.stat().st_size)}) in {time.perf_counter() - start:.1f} s")

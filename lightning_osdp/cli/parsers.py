@@ -171,6 +171,13 @@ def add_consolidate_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", help="sharded checkpoint directory")
     parser.add_argument("out", help="the .ckpt file to write")
     parser.add_argument("--weights-only", action="store_true", help="leave the optimizer states out")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="also create objects of other classes than plain data and tensors from the checkpoint (Lightning "
+        "hyper-parameters of your own classes, say): this runs code from the checkpoint, so only for checkpoints "
+        "from a source you trust",
+    )
     return parser
 
 

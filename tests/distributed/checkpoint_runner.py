@@ -3,13 +3,15 @@
 ``checkpoint_runner.py OUT world2``: under ``torchrun --nproc-per-node 2``, every two-rank case in one launch (the
 imports and the gloo group are shared), in dependency order; each case writes ``OUT/CASE.rank{R}.pt``.
 ``checkpoint_runner.py OUT save-loop PATH``: one process saving a large model to PATH again and again (the
-kill-during-save test kills it). ``checkpoint_runner.py OUT bench``: save/load timings, sharded vs full (2 ranks).
+kill-during-save test kills it). ``checkpoint_runner.py OUT save-concurrently PATH N``: N saves to PATH, while other
+processes save there too. ``checkpoint_runner.py OUT bench``: save/load timings, sharded vs full (2 ranks).
 The one-rank cases run inside the test process (:func:`fit` is imported from here).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -208,6 +210,16 @@ def world2(out: Path) -> None:
         ckpt_path=osdp / "step=5.ckpt",
         model_kwargs={"optimizer": "sgd"},
     )
+    # One bit of rank 1's shard flipped after the save, its size unchanged: every rank refuses, naming the file.
+    flipped = out / "flipped.ckpt"
+    if _rank() == 0:
+        shutil.copytree(osdp / "step=5.ckpt", flipped)
+        shard = flipped / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    fit(out, "bad_bits", plan="tied_split", devices=2, ckpt_path=flipped)
 
 
 # ---------------------------------------------------------------------------------------------- kill during save
@@ -233,6 +245,24 @@ def save_loop(out: Path, path: Path) -> None:
         state = {"state_dict": ckpt.sharded_model_state(model), "global_step": version}
         ckpt.save_checkpoint(state, path, module=model, context=context)
         print(f"saved {version}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- concurrent saves
+def save_concurrently(path: Path, saves: int) -> None:
+    """Save a small model ``saves`` times to ``path``, sharded and full in turn, with no process group, while other
+    processes do the same to the same path; every save must complete."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    context = ckpt.CheckpointContext(world_size=1)
+    for i in range(saves):
+        kind = "sharded" if i % 2 == 0 else "full"
+        state = ckpt.sharded_model_state(model) if kind == "sharded" else ckpt.full_model_state(model)
+        ckpt.save_checkpoint(
+            {"state_dict": state, "global_step": i}, path, module=model, context=context, state_dict_type=kind
+        )  # type: ignore[arg-type]
+    print(f"saved {saves}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- timings
@@ -310,6 +340,8 @@ def main() -> None:
         world2(out)
     elif mode == "save-loop":
         save_loop(out, Path(sys.argv[3]))
+    elif mode == "save-concurrently":
+        save_concurrently(Path(sys.argv[3]), int(sys.argv[4]))
     elif mode == "bench":
         bench(out)
     else:

@@ -1,0 +1,325 @@
+"""Reading a checkpoint's pickles without running code from them.
+
+[Note: pickles in a checkpoint]
+Unpickling calls whatever functions a pickle names, so loading a crafted file with ``torch.load(weights_only=False)``
+or ``pickle.load`` runs its author's code. A checkpoint holds four kinds of pickle, and each is read with the least
+trust it needs:
+
+* Lightning's metadata (``meta.pt`` of a directory, the whole of a full file): ``torch.load(weights_only=True)``,
+  which creates only tensors and plain data. Lightning's own entries need no more; hyper-parameters of the user's
+  own classes do, and then the load is refused with a message naming the class and the two ways to accept it:
+  torch's allow-list (``torch.serialization.add_safe_globals``), or the caller's ``weights_only=False``. (Lightning
+  2.6 drops ``Trainer.fit(..., weights_only=...)`` for strategies that restore after ``setup``, as OSDP does: under
+  ``fit`` the allow-list is the way, until Lightning passes it.) A pickle naming functions no checkpoint holds
+  (``builtins.exec``, ``os.system``) is refused with no way around it offered.
+* DCP's index ``.metadata``, a plain pickle that DCP reads with ``pickle.load``: read here with an unpickler that
+  creates only the index's own types (:func:`read_dcp_index`), and handed to DCP already read.
+* DCP's non-tensor items (optimizer hyper-parameters), which DCP's default planner reads with
+  ``torch.load(weights_only=False)``: checked to load with ``weights_only=True`` first (:func:`load_item`), by the
+  reader OSDP gives DCP (:class:`IndexedReader`), whatever the planner.
+* The ``"osdp"`` entry of a full file, which :func:`~lightning_osdp.checkpoint.saved_plan` needs before Lightning
+  loads the file: :func:`skim` reads the file's pickle with every global replaced by an inert stand-in, so the plan
+  comes out of any file, whatever else it holds, and nothing in it runs.
+
+DCP's tensor data is read by DCP itself with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from lightning_osdp.checkpoint.errors import CheckpointError, UntrustedContentError
+
+__all__ = [
+    "IndexedReader",
+    "SkimmedTensor",
+    "load_item",
+    "load_torch_file",
+    "read_dcp_index",
+    "skim",
+    "weights_only_refusal",
+]
+
+#: Modules whose functions no checkpoint holds, and the builtins that run or reach code: a pickle naming one was made
+#: to run code when it is loaded. (Other builtins, ``range`` or ``frozenset``, are data a user may keep.)
+_CODE_MODULES = {
+    "codecs", "code", "ctypes", "importlib", "marshal", "nt", "os", "pickle", "posix", "pty", "runpy", "shutil",
+    "socket", "subprocess", "sys", "types", "webbrowser",
+}  # fmt: skip
+_CODE_BUILTINS = {
+    "__import__", "breakpoint", "compile", "delattr", "eval", "exec", "exit", "getattr", "globals", "help", "input",
+    "locals", "open", "quit", "setattr", "vars",
+}  # fmt: skip
+
+
+def _runs_code(name: str) -> bool:
+    module, _, attribute = name.rpartition(".")
+    return module.partition(".")[0] in _CODE_MODULES or (module == "builtins" and attribute in _CODE_BUILTINS)
+
+
+def _refusal(path: Path | str, what: str, names: list[str], *, allow_list: bool = True) -> UntrustedContentError:
+    """The refusal of ``what`` of checkpoint ``path``, which holds the globals ``names``. ``allow_list``: torch's
+    ``add_safe_globals`` lets the load create them (not for DCP's index, which torch does not load)."""
+    shown = ", ".join(names)
+    head = f"refusing to load {_part(what, path)}: it holds {shown}"
+    if any(_runs_code(name) for name in names):
+        return UntrustedContentError(
+            f"{head}, which no checkpoint holds: the file was made to run code when it is loaded. Do not load it"
+        )
+    trust = (
+        "load it with weights_only=False: lightning_osdp.checkpoint.load_checkpoint(..., weights_only=False), "
+        "consolidate(..., weights_only=False), osdp consolidate --allow-pickle"
+    )
+    if allow_list:
+        trust = (
+            f"allow these classes with torch.serialization.add_safe_globals([{shown}]) (or the safe_globals context "
+            f"manager around the load), or {trust}"
+        )
+    return UntrustedContentError(
+        f"{head}, which loading with weights_only=True does not create (plain data and tensors only), and creating "
+        f"it runs code from the file. If the checkpoint comes from a source you trust, {trust}"
+    )
+
+
+def _part(what: str, path: Path | str) -> str:
+    """``what`` of checkpoint ``path``, for messages (``what`` empty: the checkpoint itself)."""
+    return f"{what} of checkpoint {str(path)!r}" if what else f"checkpoint {str(path)!r}"
+
+
+def _refused_globals(err: BaseException) -> list[str]:
+    """The globals a weights-only load refused, from torch's message (``GLOBAL __main__.Config was not ...``)."""
+    found = re.findall(r"GLOBAL (\S+) was not an allowed global", str(err))
+    names = [name if "." in name else f"builtins.{name}" for name in found]
+    return list(dict.fromkeys(names)) or [f"an object torch refuses ({str(err).splitlines()[-1][:200]})"]
+
+
+def weights_only_refusal(err: BaseException, path: Path | str, what: str) -> UntrustedContentError | None:
+    """The :class:`UntrustedContentError` to raise when ``err`` is ``torch.load(weights_only=True)`` refusing an
+    object of ``what`` (``"meta.pt"``; empty: the whole file) of checkpoint ``path``; ``None`` for any other error."""
+    if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
+        return _refusal(path, what, _refused_globals(err))
+    return None
+
+
+def load_torch_file(path: Path, *, weights_only: bool, what: str, source: Path | str | None = None) -> Any:
+    """``torch.load(path)`` on CPU, ``weights_only`` unless the caller trusts the file.
+
+    Raises:
+        UntrustedContentError: the file needs more than plain data; the message names the classes and how to opt in.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        refusal = weights_only_refusal(err, source or path, what)
+        if refusal is not None:
+            raise refusal from None
+        raise CheckpointError(f"cannot read {_part(what, source or path)}: {err}") from err
+
+
+def load_item(data: IO[bytes], *, fqn: str, path: Path | str) -> None:
+    """Check that a DCP non-tensor item (``optimizer_0.param_groups.0.lr``) is plain data before DCP's planner
+    unpickles it. A pickle that loads with ``weights_only=True`` calls only the functions that load allows, so DCP's
+    own ``torch.load(weights_only=False)`` of the same bytes then runs no other code."""
+    start = data.tell()
+    try:
+        torch.load(data, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise _refusal(path, f"item {fqn!r}", _refused_globals(err)) from None
+    data.seek(start)
+
+
+class IndexedReader(FileSystemReader):
+    """DCP's reader of checkpoint directory ``path`` that hands DCP ``index`` (read and checked already, by
+    :func:`read_dcp_index`: DCP itself would ``pickle.load`` the file) and, unless ``weights_only=False``, checks each
+    non-tensor item to be plain data (:func:`load_item`) before the planner unpickles it, whatever the planner."""
+
+    def __init__(self, path: Path, index: dcp_metadata.Metadata, *, weights_only: bool = True) -> None:
+        super().__init__(path)
+        self._index = index
+        self._weights_only = weights_only
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if self._index.storage_meta is None:
+            self._index.storage_meta = dcp_metadata.StorageMeta()
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._weights_only:
+            planner = cast(LoadPlanner, _PlainItems(planner, self.path))
+        return super().read_data(plan, planner)
+
+
+class _PlainItems:
+    """A DCP load planner whose ``load_bytes`` first checks the item is plain data (the rest is the planner's)."""
+
+    def __init__(self, planner: LoadPlanner, path: Any) -> None:
+        self._planner = planner
+        self._path = path
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        load_item(value, fqn=read_item.dest_index.fqn, path=self._path)
+        self._planner.load_bytes(read_item, value)
+
+    def __getattr__(self, name: str) -> Any:  # resolve_tensor, commit_tensor...
+        return getattr(self._planner, name)
+
+
+# ---------------------------------------------------------------------------------------------- DCP's index
+#: What a DCP index (``Metadata``) is made of, by module: its dataclasses, ``torch.Size``, dtypes, layouts, memory
+#: formats (looked up below), and paths (``StorageMeta.checkpoint_id``).
+_INDEX_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _INDEX_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+                return value
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a persistent id")
+
+
+def read_dcp_index(path: Path, *, weights_only: bool = True) -> dcp_metadata.Metadata:
+    """DCP's index ``.metadata`` of checkpoint directory ``path``, created from its own types only (see [Note:
+    pickles in a checkpoint]); ``weights_only=False`` unpickles it as DCP does.
+
+    Raises:
+        UntrustedContentError: the index names anything else.
+    """
+    file = path / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            index = (_IndexUnpickler(f) if weights_only else pickle.Unpickler(f)).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no DCP index '.metadata'") from None
+    except pickle.UnpicklingError as err:
+        raise _refusal(path, "DCP's index '.metadata'", [str(err)], allow_list=False) from None
+    except Exception as err:  # a damaged file: EOFError, ValueError...
+        raise CheckpointError(f"cannot read DCP's index '.metadata' of checkpoint {str(path)!r}: {err!r}") from err
+    if not isinstance(index, dcp_metadata.Metadata):
+        raise CheckpointError(f"'.metadata' of checkpoint {str(path)!r} is not a DCP index")
+    return index
+
+
+# ---------------------------------------------------------------------------------------------- skimming
+class _Opaque:
+    """Stands in for any object of a skimmed pickle that is not plain data: it takes whatever the pickle gives it
+    and does nothing (the real class is never looked up, so none of its code runs)."""
+
+    qualname = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname}, not loaded>"
+
+
+class SkimmedTensor:
+    """A tensor of a skimmed file: its shape only (the data is not read)."""
+
+    __slots__ = ("shape",)  # no attribute a crafted pickle could set besides its shape, checked below
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, *args: Any) -> Any:
+    if isinstance(size, tuple) and all(isinstance(s, int) for s in size):
+        return SkimmedTensor(size)
+    return _Opaque()
+
+
+def _rebuild_parameter(data: Any, *args: Any) -> Any:
+    return data
+
+
+#: Globals a skim resolves to something useful; every other one is an inert stand-in.
+_SKIM_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+}
+
+
+class _Skimmer(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        known = _SKIM_GLOBALS.get((module, name))
+        if known is not None:
+            return known
+        return type("Opaque", (_Opaque,), {"qualname": f"{module}.{name}"})
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None  # a tensor's storage: never read
+
+
+def skim(path: Path) -> Any:
+    """The content of a ``torch.save`` file with plain data as saved, tensors as :class:`SkimmedTensor` (their
+    shapes) and every other object inert (see [Note: pickles in a checkpoint]). Reads only the pickle, not the
+    tensors' data, and checks that record's CRC.
+
+    Raises:
+        CheckpointError: the file is not a ``torch.save`` (zip) file, or its pickle is damaged.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.count("/") == 1 and n.endswith("/data.pkl")]
+            if len(names) != 1:
+                raise CheckpointError(f"checkpoint file {str(path)!r} is not a torch.save file (no data.pkl record)")
+            data = archive.read(names[0])  # zipfile checks the record's CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise CheckpointError(f"cannot read checkpoint file {str(path)!r}: {err}") from None
+    try:
+        return _Skimmer(io.BytesIO(data)).load()
+    except Exception as err:
+        raise CheckpointError(f"cannot read checkpoint file {str(path)!r}: damaged pickle ({err!r})") from None
