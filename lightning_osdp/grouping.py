@@ -185,16 +185,16 @@ def communication_units(
                     holder_a = next(h for h in tie.holders if covering[h] == a)
                     holder_b = next(h for h in tie.holders if covering[h] == b)
                     raise PlanError(
-                        f"{tie.describe()} is used by {holder_b!r} (unit {b!r}) and by {holder_a!r} (unit {a!r}, an "
-                        f"ancestor of {b!r}); a shared parameter must sit in one unit: give {holder_a!r} its own "
-                        f"decision, or remove the decision on {b!r}"
+                        f"{tie.describe()} is used by {holder_b!r} (decision {b!r}) and by {holder_a!r} (decision "
+                        f"{a!r}, an ancestor of {b!r}); a shared parameter must sit in one unit: give {holder_a!r} its "
+                        f"own decision, or remove the decision on {b!r}"
                     )
         modes = {decisions[u].mode for u in units if u in decisions}
         if len(modes) > 1:
             detail = ", ".join(f"{u!r}={decisions[u].mode}" for u in units)
             raise PlanError(
-                f"{tie.describe()} is shared by units with different modes ({detail}); units that share a parameter "
-                "are one FSDP group and must take the same mode"
+                f"{tie.describe()} is shared by decisions with different modes ({detail}); decisions that share a "
+                "parameter are one FSDP2 group and must take the same mode"
             )
         for u in units[1:]:
             parent[find(u)] = find(units[0])

@@ -262,7 +262,7 @@ class Plan:
         return cls.from_dict(data, source=str(path))
 
     def summary(self) -> str:
-        """One line: how many units take each mode, and any splits."""
+        """One line: how many decisions take each mode, and any splits."""
         counts = {m: 0 for m in MODES}
         for d in self.decisions.values():
             counts[d.mode] += 1
@@ -270,7 +270,7 @@ class Plan:
         parts = [f"{n} {m}" for m, n in counts.items() if n]
         if splits:
             parts.append(f"{splits} split")
-        return f"Plan({len(self.decisions)} units: {', '.join(parts) or 'empty'})"
+        return f"Plan({len(self.decisions)} decisions: {', '.join(parts) or 'empty'})"
 
 
 def default_units(module: nn.Module) -> list[str]:

@@ -344,7 +344,7 @@ def test_gpt_example_trains_on_two_processes_from_its_command_line(tmp_path: Pat
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stdout + proc.stderr
     summary = [line for line in proc.stdout.splitlines() if line.startswith("GPT example: step 5:")]
     assert len(summary) == 1, proc.stdout[-4000:]  # printed by rank 0 only
-    assert "Plan(4 units: 1 no_shard, 1 shard_grad_op, 2 full_shard, 1 split)" in summary[0]
+    assert "Plan(4 decisions: 1 no_shard, 1 shard_grad_op, 2 full_shard, 1 split)" in summary[0]
 
     (run_dir,) = (tmp_path / "gpt_osdp_plan").iterdir()
     with open(run_dir / "metrics.csv") as f:

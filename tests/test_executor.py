@@ -33,7 +33,7 @@ def test_tied_holders_with_different_modes_are_an_error() -> None:
 
 
 def test_tie_with_an_ancestor_unit_is_an_error_naming_both_holders() -> None:
-    with pytest.raises(PlanError, match=r"tied parameter 'wte.weight' is used by 'wte'.*and by 'lm_head' \(unit ''"):
+    with pytest.raises(PlanError, match=r"tied parameter 'wte.weight' is used by 'wte'.*by 'lm_head' \(decision ''"):
         plan_units(TinyGPT(), Plan({"": "no_shard", "wte": "full_shard"}))
 
 

@@ -76,7 +76,7 @@ def test_a_split_decision_is_one_unit_per_slice() -> None:
 
 
 def test_a_tie_with_the_covering_ancestor_is_refused_naming_both_holders() -> None:
-    expected = r"between 'wte', 'lm_head' is used by 'wte' \(unit 'wte'\).*'lm_head' \(unit ''"
+    expected = r"between 'wte', 'lm_head' is used by 'wte' \(decision 'wte'\).*'lm_head' \(decision ''"
     with pytest.raises(PlanError, match=expected):
         communication_units(Plan({"": "no_shard", "wte": "full_shard"}).decisions, [("wte", "lm_head")])
 
