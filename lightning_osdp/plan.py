@@ -1,4 +1,5 @@
-"""The sharding plan: which data-parallel mode, and which operator-splitting factor, each module takes.
+"""The sharding plan: which data-parallel mode, which operator-splitting factor, and whether to recompute its
+activations, each module takes.
 
 A :class:`Plan` is plain data. It is produced by the solver (or written by hand), applied by
 :func:`lightning_osdp.apply_plan`, printed at setup and saved beside checkpoints. Module names are those of
@@ -10,6 +11,9 @@ descendant, exactly as one ``fully_shard(m)`` call in FSDP2 groups the parameter
 earlier call on a submodule. Each decided module is therefore one *communication unit*: its parameters are
 all-gathered in one collective and its gradients reduced in one collective. Parameters under no decision at
 all belong to the root unit ``""``, which is ``no_shard`` unless the plan says otherwise.
+
+A decision's ``recompute`` covers the decided module's whole forward (its subtree): it runs under activation
+checkpointing, saving only its inputs, and backward runs it once more (see ``lightning_osdp/apply/recompute.py``).
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ MODES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard")
 
 #: ``format`` field of a plan file.
 PLAN_FORMAT = "lightning_osdp.plan"
-#: ``version`` field of a plan file this release writes and reads.
-PLAN_VERSION = 1
+#: ``version`` field of a plan file this release writes (it reads this one and every earlier one).
+#: Version 2 added a decision's ``recompute``; a version-1 file is read with ``recompute`` false everywhere.
+PLAN_VERSION = 2
+_READS_VERSIONS = (1, 2)
 
 # The solver's `info` is 3 levels deep; Python's JSON encoder (with `indent`) recurses per level.
 _MAX_INFO_NESTING = 64
@@ -68,25 +74,34 @@ class Decision:
         mode: one of :data:`MODES`.
         split: operator-splitting factor; ``k > 1`` cuts the module (an ``nn.Linear``) into ``k`` slices along
             its output features that run one after another, each its own communication unit.
+        recompute: run the module's forward under activation checkpointing: it keeps only its inputs for backward,
+            and backward runs the forward again (``Decision("full_shard", recompute=True)``; in a plan file
+            ``{"mode": "full_shard", "recompute": true}``).
     """
 
     mode: str
     split: int = 1
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise PlanError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
             raise PlanError(f"split must be an integer >= 1, got {self.split!r}")
+        if not isinstance(self.recompute, bool):
+            raise PlanError(f"recompute must be true or false, got {self.recompute!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The decision as the JSON object written in a plan file."""
-        return {"mode": self.mode, "split": self.split}
+        """The decision as the JSON object written in a plan file (``recompute`` only when true)."""
+        out: dict[str, Any] = {"mode": self.mode, "split": self.split}
+        if self.recompute:
+            out["recompute"] = True
+        return out
 
 
-#: What :class:`Plan` accepts for one module: a :class:`Decision`, a mode string, a ``(mode, split)`` tuple or a
-#: ``{"mode": ..., "split": ...}`` mapping.
-DecisionLike = Decision | str | tuple[str, int] | Mapping[str, Any]
+#: What :class:`Plan` accepts for one module: a :class:`Decision`, a mode string, a ``(mode, split)`` or
+#: ``(mode, split, recompute)`` tuple or a ``{"mode": ..., "split": ..., "recompute": ...}`` mapping.
+DecisionLike = Decision | str | tuple[str, int] | tuple[str, int, bool] | Mapping[str, Any]
 
 
 @dataclass(init=False)
@@ -163,6 +178,11 @@ class Plan:
                 reason = unsplittable_reason(name, decision.split, modules)
                 if reason:
                     raise PlanError(f"module {name!r}: split={decision.split} {reason}")
+            if decision.recompute and name == ROOT:
+                raise PlanError(
+                    "the root decision '' cannot recompute: Lightning runs training_step, not the LightningModule's "
+                    "forward, so there is no forward to checkpoint; set recompute on the blocks (submodules) instead"
+                )
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -184,11 +204,13 @@ class Plan:
             raise PlanError(f"{source}: a plan must be a JSON object, got {type(data).__name__}")
         if data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{source}: field 'format' must be {PLAN_FORMAT!r}, got {data.get('format')!r}")
-        if data.get("version") != PLAN_VERSION:
+        version = data.get("version")
+        if isinstance(version, bool) or version not in _READS_VERSIONS:
             raise PlanError(
-                f"{source}: plan file version {data.get('version')!r} is not supported "
-                f"(this lightning_osdp reads version {PLAN_VERSION})"
+                f"{source}: plan file version {version!r} is not supported "
+                f"(this lightning_osdp reads versions {', '.join(map(str, _READS_VERSIONS))})"
             )
+        fields_allowed = {"mode", "split"} if version == 1 else {"mode", "split", "recompute"}
         raw = data.get("decisions")
         if not isinstance(raw, Mapping):
             raise PlanError(f"{source}: field 'decisions' must be an object mapping module names to decisions")
@@ -196,15 +218,15 @@ class Plan:
         for name, entry in raw.items():
             if not isinstance(entry, Mapping):
                 raise PlanError(f"{source}: module {name!r}: a decision must be an object with 'mode' and 'split'")
-            unknown = set(entry) - {"mode", "split"}
+            unknown = set(entry) - fields_allowed
             if unknown:
                 raise PlanError(f"{source}: module {name!r}: unknown field(s) {sorted(unknown)}")
             if "mode" not in entry:
                 raise PlanError(f"{source}: module {name!r}: field 'mode' is missing")
             try:
-                decisions[name] = Decision(entry["mode"], entry.get("split", 1))
+                decisions[name] = Decision(entry["mode"], entry.get("split", 1), entry.get("recompute", False))
             except PlanError as err:
-                field_name = "mode" if "mode" in str(err) else "split"
+                field_name = next(f for f in ("mode", "split", "recompute") if str(err).startswith(("unknown " + f, f)))
                 raise PlanError(f"{source}: module {name!r}: field {field_name!r}: {err}") from None
         info = data.get("info", {})
         if not isinstance(info, dict):
@@ -262,14 +284,17 @@ class Plan:
         return cls.from_dict(data, source=str(path))
 
     def summary(self) -> str:
-        """One line: how many decisions take each mode, and any splits."""
+        """One line: how many decisions take each mode, and any splits and recomputations."""
         counts = {m: 0 for m in MODES}
         for d in self.decisions.values():
             counts[d.mode] += 1
         splits = sum(1 for d in self.decisions.values() if d.split > 1)
+        recomputed = sum(1 for d in self.decisions.values() if d.recompute)
         parts = [f"{n} {m}" for m, n in counts.items() if n]
         if splits:
             parts.append(f"{splits} split")
+        if recomputed:
+            parts.append(f"{recomputed} recompute")
         return f"Plan({len(self.decisions)} decisions: {', '.join(parts) or 'empty'})"
 
 
@@ -301,9 +326,9 @@ def _as_decision(name: str, value: Any) -> Decision:
         if isinstance(value, str):
             return Decision(value)
         if isinstance(value, Mapping):
-            return Decision(value.get("mode", ""), value.get("split", 1))
-        if isinstance(value, tuple) and len(value) == 2:
-            return Decision(value[0], value[1])
+            return Decision(value.get("mode", ""), value.get("split", 1), value.get("recompute", False))
+        if isinstance(value, tuple) and len(value) in (2, 3):
+            return Decision(*value)
     except PlanError as err:
         raise PlanError(f"module {name!r}: {err}") from None
     raise PlanError(f"module {name!r}: cannot read a decision from {value!r}")

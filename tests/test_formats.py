@@ -100,7 +100,7 @@ def test_a_version_1_plan_gets_its_report_from_info(tmp_path: Path) -> None:
     # Saved again: the same info, and the report beside it; it reads back equal.
     path = plan.save(tmp_path / "plan.json")
     data = json.loads(path.read_text())
-    assert data["version"] == PLAN_VERSION == 1 and data["info"] == info
+    assert data["version"] == PLAN_VERSION == 2 and data["info"] == info
     assert data["report"]["version"] == REPORT_VERSION and data["report"]["status"] == info["status"]
     assert Plan.load(path) == plan
 

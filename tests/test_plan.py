@@ -95,3 +95,34 @@ def test_default_units_are_blocks() -> None:
     plan = Plan.uniform(model, "full_shard")
     assert set(plan.decisions) == {"", "h.0", "h.1", "h.2"}
     assert {d.mode for d in plan.decisions.values()} == {"full_shard"}
+
+
+def test_recompute_is_spelled_in_python_and_json_and_older_files_load_unchanged(tmp_path: Path) -> None:
+    plan = Plan(
+        {
+            "": "no_shard",
+            "h.0": Decision("full_shard", recompute=True),
+            "h.1": ("shard_grad_op", 1, True),
+            "h.2": {"mode": "no_shard", "recompute": True},
+        }
+    )
+    assert [plan.decisions[f"h.{i}"].recompute for i in range(3)] == [True, True, True]
+    assert plan.summary() == "Plan(4 decisions: 2 no_shard, 1 shard_grad_op, 1 full_shard, 3 recompute)"
+    data = json.loads(plan.save(tmp_path / "plan.json").read_text())
+    assert data["version"] == 2
+    assert data["decisions"]["h.0"] == {"mode": "full_shard", "split": 1, "recompute": True}
+    assert data["decisions"][""] == {"mode": "no_shard", "split": 1}  # recompute only written when true
+    assert Plan.load(tmp_path / "plan.json").decisions == plan.decisions
+    # A version-1 file (before recompute existed) loads with recompute false; it never had the field.
+    old = {"format": "lightning_osdp.plan", "version": 1, "decisions": {"h.0": {"mode": "full_shard", "split": 2}}}
+    assert Plan.from_dict(old).decisions == {"h.0": Decision("full_shard", 2, False)}
+    old["decisions"]["h.0"]["recompute"] = True
+    with pytest.raises(PlanError, match=r"unknown field\(s\) \['recompute'\]"):
+        Plan.from_dict(old)
+    with pytest.raises(PlanError, match="field 'recompute': recompute must be true or false, got 'yes'"):
+        Plan.from_dict({**data, "decisions": {"h.0": {"mode": "full_shard", "recompute": "yes"}}})
+
+
+def test_the_root_cannot_recompute() -> None:
+    with pytest.raises(PlanError, match="the root decision '' cannot recompute"):
+        Plan({"": Decision("no_shard", recompute=True)}).validate(TinyGPT())

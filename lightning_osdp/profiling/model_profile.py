@@ -60,6 +60,9 @@ class ModuleProfile:
         optim_scalar_bytes: optimizer state that does not scale with the parameter (Adam's 0-dim ``step``, 4 bytes
             per parameter tensor): every rank keeps one per parameter tensor it holds, sharded or not. Not part
             of ``optim_state_bytes``, which is what shards.
+        input_bytes: bytes of the tensors the module's forward is called with (distinct storages; parameters,
+            buffers and the batch excluded): what activation checkpointing keeps of it for backward (``None``: not
+            measured, a profile from before this field).
     """
 
     name: str
@@ -79,6 +82,7 @@ class ModuleProfile:
     fwd_flops: int = 0
     buffer_bytes: int = 0
     optim_scalar_bytes: int = 0
+    input_bytes: int | None = None
 
 
 @dataclass

@@ -249,6 +249,7 @@ def _module_profiles(
             fwd_flops=traced.fwd_flops,
             buffer_bytes=figures.buffer_bytes,
             optim_scalar_bytes=session.state.scalar_bytes.get(name, 0),
+            input_bytes=traced.input_bytes,
         )
     return profiles
 

@@ -18,6 +18,10 @@ graph, so in-place operations on module outputs (``ReLU(inplace=True)``) keep wo
 need no gradient (an embedding of integer ids) is still timed. The ``AccumulateGrad`` node of a parameter used
 by several modules belongs to the first one.
 
+*Inputs*: the bytes of the tensors a module's forward is called with (distinct storages, parameters, buffers and
+the batch excluded, summed over calls): what activation checkpointing keeps for backward in place of the module's
+activations.
+
 *Activations*: tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``) during the
 forward, charged to the innermost running module, counted by storage (a storage saved twice, or by two modules,
 counts once, at the first saver; a view saved keeps its whole storage alive, so the whole storage counts).
@@ -126,6 +130,7 @@ class ModuleRecord:
     bwd_flops: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
+    input_bytes: int = 0
     fwd_ops: OpTally = field(default_factory=OpTally)
     bwd_ops: OpTally = field(default_factory=OpTally)
 
@@ -293,9 +298,12 @@ class ModuleTracer:
         if self._phase != "forward":
             return  # a recomputation inside backward (activation checkpointing) runs within a node's interval
         enter = self.clock()
-        self._claim(tree_leaves((args, kwargs)), self._stack[-1].name if self._stack else None)
+        leaves = tree_leaves((args, kwargs))
+        self._claim(leaves, self._stack[-1].name if self._stack else None)
         name = self.names[id(mod)]
         assert self._record is not None
+        if self._memory:
+            self._record.modules[name].input_bytes += self._input_bytes(leaves)
         if name not in self._started:  # first call this step
             self._started.add(name)
             self._record.forward_order.append(name)
@@ -318,6 +326,18 @@ class ModuleTracer:
         self._claim(leaves, frame.name)
         if self._stack:
             self._stack[-1].inner += inclusive + frame.hook + (self.clock() - end)
+
+    def _input_bytes(self, leaves: Iterable[Any]) -> int:
+        storages: dict[int, int] = {}
+        for t in leaves:
+            if not isinstance(t, Tensor):
+                continue
+            with suppress(RuntimeError, NotImplementedError):
+                storage = t.untyped_storage()
+                key = int(storage._cdata)
+                if key not in self._excluded:
+                    storages[key] = _static(storage.nbytes()) or 0
+        return sum(storages.values())
 
     def _claim(self, leaves: Iterable[Any], owner: str | None) -> None:
         pending = [t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None]
