@@ -101,6 +101,20 @@ def check_max_split(value: Any) -> int:
     return _integer("max_split", value, minimum=1)
 
 
+def check_activation_checkpointing(value: Any) -> bool | Literal["auto"]:
+    """``"auto"``, ``True`` or ``False`` (YAML's ``true``/``false``; the strings ``"true"``/``"false"`` too)."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value is True or value is False:
+        return bool(value)
+    if value == "auto":
+        return "auto"
+    raise ValueError(
+        f"OSDPStrategy(activation_checkpointing={value!r}): expected 'auto' (the planner recomputes a unit's "
+        "activations where that pays), True (every unit that saves activations recomputes them) or False (none does)"
+    )
+
+
 def check_memory_steps(value: Any) -> int:
     """An integer >= 0 (0: CPU runs measure no peak memory)."""
     return _integer("memory_steps", value, minimum=0)

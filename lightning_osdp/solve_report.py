@@ -129,6 +129,8 @@ class SolveReport:
             a headroom) made the plan; ``None`` when :func:`~lightning_osdp.solve` was called directly, whose
             ``budget_bytes`` is then the user's.
         memory_headroom: the fraction of ``memory_budget_bytes`` the policy kept free (``None`` likewise).
+        recompute: whether the solver could recompute segments: ``"auto"``, ``True`` or ``False`` (``None``: a plan
+            file from before recomputation was planned).
     """
 
     status: str
@@ -147,6 +149,7 @@ class SolveReport:
     cbc_seconds: float
     memory_budget_bytes: int | None = None
     memory_headroom: float | None = None
+    recompute: bool | str | None = None
 
     @property
     def requested_budget_bytes(self) -> int:
@@ -189,6 +192,7 @@ class SolveReport:
             "cbc_seconds": self.cbc_seconds,
             "memory_budget_bytes": self.memory_budget_bytes,
             "memory_headroom": self.memory_headroom,
+            "recompute": self.recompute,
         }
 
     @classmethod
@@ -211,6 +215,9 @@ class SolveReport:
             raise ValueError(f"field 'prediction': {err}") from None
         bound = _optional(data, "bound", str)
         headroom = _optional(data, "memory_headroom", _NUMBER)
+        recompute = data.get("recompute")
+        if recompute not in (None, True, False, "auto"):
+            raise ValueError(f"field 'recompute' must be true, false or \"auto\", got {recompute!r}")
         return cls(
             status=_read(data, "status", str),
             bound=bound,
@@ -228,6 +235,7 @@ class SolveReport:
             cbc_seconds=float(_read(data, "cbc_seconds", _NUMBER)),
             memory_budget_bytes=_optional(data, "memory_budget_bytes", int),
             memory_headroom=None if headroom is None else float(headroom),
+            recompute=recompute,
         )
 
     def as_info(self) -> dict[str, Any]:
@@ -256,6 +264,8 @@ class SolveReport:
             info["memory_budget_bytes"] = self.memory_budget_bytes
         if self.memory_headroom is not None:
             info["memory_headroom"] = self.memory_headroom
+        if self.recompute is not None:
+            info["recompute"] = self.recompute
         return info
 
     @classmethod

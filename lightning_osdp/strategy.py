@@ -93,6 +93,10 @@ class OSDPStrategy(ParallelStrategy):
         modes: the modes the planner may choose from: ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP,
             ``("shard_grad_op",)`` ZeRO-2.
         max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
+        activation_checkpointing: whether the planner may recompute a unit's activations in backward instead of
+            keeping them (non-reentrant ``torch.utils.checkpoint`` around the unit's module, inside its FSDP2 unit):
+            ``"auto"`` (default) where that is the fastest way to fit the budget, ``True`` on every unit that saves
+            activations, ``False`` never (the planner of releases before recomputation).
         plan_out: the file the chosen plan is saved to (with the profile beside it as ``*.profile.json``); default
             ``osdp_plan.json`` in the logger's directory.
         solver_time_limit: seconds the ILP solver may take (a positive number); the plan records whether it is
@@ -127,6 +131,7 @@ class OSDPStrategy(ParallelStrategy):
         state_dict_type: osdp_checkpoint.StateDictType = "sharded",
         modes: Sequence[str] = MODES,
         max_split: int = 8,
+        activation_checkpointing: bool | Literal["auto"] = "auto",
         plan_out: str | os.PathLike[str] | None = None,
         solver_time_limit: float = 10.0,
         memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
@@ -145,6 +150,7 @@ class OSDPStrategy(ParallelStrategy):
         self._requested_budget = self._memory_budget
         self._modes = options.check_modes(modes)
         self._max_split = options.check_max_split(max_split)
+        self._activation_checkpointing = options.check_activation_checkpointing(activation_checkpointing)
         self._plan_out = options.check_plan_out(plan_out)
         self._solver_time_limit = options.check_solver_time_limit(solver_time_limit)
         self._memory_headroom = options.check_memory_headroom(memory_headroom)
@@ -448,6 +454,7 @@ class OSDPStrategy(ParallelStrategy):
             headroom=self._memory_headroom,
             modes=self._modes,
             max_split=self._max_split,
+            recompute=self._activation_checkpointing,
             time_limit=self._solver_time_limit,
         )
 

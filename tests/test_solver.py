@@ -86,11 +86,14 @@ def random_profile(seed: int, units: int, *, blocks: bool = False, world_size: i
     )
 
 
-def all_plans(profile: ModelProfile, *, modes=MODES, splits=(1, 2, 4)) -> list[tuple[float, int, Plan]]:
-    """Every combination of every unit's options, with its predicted step time and peak (``predict`` each)."""
-    problem = PlanningProblem(profile, profile.world_size, modes=modes, splits=splits)
+def all_plans(
+    profile: ModelProfile, *, modes=MODES, splits=(1, 2, 4), recompute="auto"
+) -> list[tuple[float, int, Plan]]:
+    """Every combination of every unit's options (each with and without recomputation unless ``recompute`` says
+    otherwise), with its predicted step time and peak (``predict`` each)."""
+    problem = PlanningProblem(profile, profile.world_size, modes=modes, splits=splits, recompute=recompute)
     per_segment = [
-        segment_options(problem.info, candidate, problem.modes, problem.splits)
+        segment_options(problem.info, candidate, problem.modes, problem.splits, problem.recompute)
         for candidate in problem.candidates.segments
     ]
     root_modes = modes if profile.modules[""].param_bytes else modes[:1]
@@ -153,7 +156,7 @@ def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
     # proof plain branch and bound needs every permutation of the blocks for). The plan must be the ILP's true
     # optimum, as CBC finds it with no gap on this size.
     profile = gpt_profile(depth=10, width=64)
-    problem = PlanningProblem(profile, 2, splits=(1, 2))
+    problem = PlanningProblem(profile, 2, splits=(1, 2), recompute="auto")
     assert [len(c) for c in problem.classes] == [8]  # the first and last block are left out of the class
     low = minimum_budget(profile, 2, splits=(1, 2))
     high = peaks(profile)[1]
@@ -284,6 +287,7 @@ def test_the_report_records_how_the_plan_was_solved():
         "options": report.options,
         "modes": list(MODES),
         "splits": [1, 2, 4, 8],
+        "recompute": "auto",
         "solve_seconds": report.solve_seconds,
         "cbc_seconds": report.cbc_seconds,
         "prediction": prediction.to_dict(),
@@ -338,3 +342,29 @@ def test_units_override_the_automatic_choice():
     assert set(plan.decisions) <= {"", *units}
     with pytest.raises(ValueError, match="not modules"):
         PlanningProblem(profile, 2, units=["model.nope"])
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_recomputation_can_be_ruled_out_or_forced_and_the_optimum_still_equals_brute_force(recompute):
+    profile = random_profile(3, 2, blocks=True, world_size=2)
+    plans = all_plans(profile, splits=(1, 2), recompute=recompute)
+    low, high = min(p for _, p, _ in plans), max(p for _, p, _ in plans)
+    assert minimum_budget(profile, splits=(1, 2), recompute=recompute) == low
+    for fraction in (0.1, 0.5, 1.0):
+        budget = int(low + (high - low) * fraction)
+        plan = solve(profile, budget, splits=(1, 2), gap=1e-9, recompute=recompute)
+        assert plan.report.predicted_step_seconds == pytest.approx(brute_force(plans, budget), rel=1e-9, abs=1e-12)
+        recomputed = {name for name, d in plan.decisions.items() if d.recompute}
+        saving = {s.entry for s in PlanningProblem(profile, 2).candidates.segments}
+        assert recomputed == (saving if recompute else set())
+
+
+def test_recomputation_lowers_the_smallest_budget_of_an_activation_heavy_model():
+    profile = gpt_profile(depth=4, width=128, tokens=256)
+    without = minimum_budget(profile, 2, recompute=False)
+    with_recompute = minimum_budget(profile, 2)
+    assert with_recompute < 0.7 * without
+    plan = solve(profile, with_recompute, 2)
+    assert any(d.recompute for d in plan.decisions.values()) and plan.report.predicted_peak_bytes <= with_recompute
+    with pytest.raises(InfeasibleBudgetError, match=r"activation_checkpointing='auto'"):
+        solve(profile, with_recompute, 2, recompute=False)

@@ -9,6 +9,7 @@ from lightning_osdp.apply.executor import (
     apply_plan,
     plan_units,
 )
+from lightning_osdp.apply.recompute import is_recomputed, recompute_modules
 from lightning_osdp.apply.split import SplitLinear, split_linear
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "Unit",
     "apply_plan",
     "clip_grad_norm_",
+    "is_recomputed",
     "plan_units",
+    "recompute_modules",
     "split_linear",
 ]

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp._compat import ddp_ignore_parameters
+from lightning_osdp.apply.recompute import recompute_modules
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.comm import ReleasingAllGather, reduce_scatter_comm, releases_all_gather_after_forward
 from lightning_osdp.grouping import ROOT, CommunicationUnit, communication_units, tied_holders
@@ -158,6 +159,8 @@ def apply_plan(
     for name, decision in plan.decisions.items():
         if decision.split > 1:
             split_linear(module, name, decision.split)
+    # Before FSDP2 and DDP: their hooks then sit around the checkpointed forward (see apply/recompute.py).
+    recompute_modules(module, [name for name, d in plan.decisions.items() if d.recompute])
     if all(d.mode == "no_shard" for d in plan.decisions.values()):
         return ReplicatedModule(module, plan, mesh)
     kwargs: dict[str, Any] = {"mesh": mesh}

@@ -135,7 +135,22 @@ class ModelInfo:
 
 @dataclass
 class Node:
-    """A module in a segment's forward, with what the model counts for it."""
+    """A module in a segment's forward, with what the model counts for it.
+
+    Attributes:
+        name: the module.
+        unit: the index of the unit whose decision is this module (``None``: no decision here).
+        act: bytes its own forward code saves for backward.
+        out: bytes of its output.
+        inp: bytes of its input, as the previous module's output (the backward's transient input gradient).
+        grad: bytes of the gradients of its own parameters.
+        owner: the index of the unit owning its parameters.
+        fwd, bwd: its own forward and backward seconds.
+        recompute: its decision recomputes it (activation checkpointing).
+        kept: under recomputation, the bytes of its inputs the checkpoint keeps (``ModuleProfile.input_bytes``).
+        kept_saved: the part of ``kept`` its own subtree saves again when it recomputes (``input_saved_bytes``).
+        children: the modules it calls, in forward order.
+    """
 
     name: str
     unit: int | None
@@ -147,6 +162,17 @@ class Node:
     fwd: float
     bwd: float
     children: list[Node] = field(default_factory=list)
+    recompute: bool = False
+    kept: int = 0
+    kept_saved: int = 0
+
+    def saved(self) -> int:
+        """Bytes a forward of this subtree saves for backward (a recomputed descendant keeps only its inputs)."""
+        return self.act + sum(c.kept if c.recompute else c.saved() for c in self.children)
+
+    def forward_seconds(self) -> float:
+        """Forward seconds of this subtree: what recomputing it costs."""
+        return self.fwd + sum(c.forward_seconds() for c in self.children)
 
 
 @dataclass
@@ -290,6 +316,7 @@ class _SegmentBuilder:
     ) -> None:
         self.info = info
         self.excluded = excluded
+        self.decisions = decisions
         self.members = info.subtree(entry)
         self.cover = {name: covering_decision(decisions, name) for name in self.members}
         self.units: list[LocalUnit] = []
@@ -371,6 +398,17 @@ class _SegmentBuilder:
             mp.bwd_seconds,
         )
         node.children = [self.node(c) for c in info.children[name]]
+        return self._with_recompute(node)
+
+    def _with_recompute(self, node: Node) -> Node:
+        decision = self.decisions.get(node.name)
+        if decision is None or not decision.recompute:
+            return node
+        mp = self.info.modules[node.name]
+        # A profile from before inputs were measured: the previous module's output, saved again inside.
+        kept = mp.input_bytes if mp.input_bytes is not None else self.info.input_bytes.get(node.name, 0)
+        saved = mp.input_saved_bytes if mp.input_saved_bytes is not None else kept
+        node.recompute, node.kept, node.kept_saved = True, kept, min(saved, kept)
         return node
 
     def _split_node(self, name: str) -> Node:
@@ -393,7 +431,7 @@ class _SegmentBuilder:
                     mp.bwd_seconds * (1.0 / k),
                 )
             )
-        return node
+        return self._with_recompute(node)
 
 
 def _free_node(info: ModelInfo, name: str) -> Node:
@@ -494,6 +532,12 @@ def build_structure(info: ModelInfo, plan: Plan) -> Structure:
     decisions.setdefault(ROOT, Decision("no_shard"))
     lay = layout(info, decisions)
     globals_ = [global_unit(info, ROOT, (ROOT,), lay.root_cover, decisions[ROOT].mode)]
+    for name in [ROOT, *(m for g in lay.groups for m in g)]:
+        if decisions[name].recompute:
+            raise ValueError(
+                f"module {name!r}: the cost model predicts recomputation of segments (blocks and the modules in them), "
+                "not of the root or a tied group"
+            )
     for g in lay.groups:
         # communication_units refused tied decisions of different modes
         globals_.append(global_unit(info, g[0], tuple(g), lay.group_cover[g[0]], decisions[g[0]].mode))

@@ -25,6 +25,16 @@ option (:class:`SegmentSimulator`, one method per FSDP2 event) and summarised by
 pending from the previous unit in forward; in backward, the reduce-scatter input pending from the later unit, and
 the all-gather output this segment prefetches for the earlier one). A class an option never enters gets a value
 that makes its constraint implied by the segment's first instant (a real state), so it never binds.
+
+[Note: recomputation]
+A module whose decision recomputes runs its forward under non-reentrant ``torch.utils.checkpoint``
+(``lightning_osdp/apply/recompute.py``). In forward it keeps only its inputs (``Node.kept``: the profile's measured
+input bytes) instead of what its subtree saves. In backward, after its unit's pre-backward (the gather FSDP2 would
+run anyway), the first saved tensor it needs runs the forward again: its subtree saves everything again at once
+(``Node.saved()``, less the inputs the checkpoint kept and the recomputation saves again, ``kept_saved``), full_shard
+units nested in it are gathered by their own pre-forward hooks there, and the backward then frees the activations
+module by module as without recomputation; the kept inputs go when its backward ends. The step pays the subtree's
+forward seconds once more.
 """
 
 from __future__ import annotations
@@ -124,6 +134,7 @@ class SegmentCosts:
     optimizer_temp: MemoryParts
     seconds: float
     units: tuple[LocalUnit, ...]
+    buckets: MemoryParts = ZERO
 
 
 def _order_by_post_forward(node: Node, out: list[int]) -> None:
@@ -190,6 +201,8 @@ class SegmentSimulator:
         self.post_forward_order: list[int] = []
         #: units whose all-gather output has been issued by a prefetch and not yet consumed
         self.prefetched: set[int] = set()
+        #: units gathered by their pre-forward in an enclosing module's recomputation
+        self.gathered_in_recompute: set[int] = set()
 
     # ------------------------------------------------------------------ instants
     def _forward_instant(self, value: MemoryParts) -> None:
@@ -235,7 +248,9 @@ class SegmentSimulator:
         u = self.bytes[i]
         if not u.sharded:
             return
-        if u.mode == "full_shard":
+        if u.mode == "full_shard" and i in self.gathered_in_recompute:
+            pass  # gathered by its pre-forward in an enclosing module's recomputation
+        elif u.mode == "full_shard":
             if i in self.prefetched:
                 self.prefetched.discard(i)
                 self.level += _gathered(u.gathered)
@@ -298,16 +313,49 @@ class SegmentSimulator:
         return peak, self.level - reduce_input, reduce_input
 
     # ------------------------------------------------------------------ the passes
-    def forward(self, node: Node) -> None:
-        """``node``'s forward: its unit's pre-forward, its activations, its children, its output, post-forward."""
+    def forward(self, node: Node, saving: bool = True) -> None:
+        """``node``'s forward: its unit's pre-forward, its activations, its children, its output, post-forward.
+
+        ``saving``: whether what the module saves for backward is kept; inside a recomputed module it is not, only
+        the recomputed module's inputs are (see [Note: recomputation])."""
         if node.unit is not None:
             self.pre_forward(node.unit)
-        self.level += _acts(node.act)
+        if node.recompute and saving:
+            self.level += _acts(node.kept)
+            saving = False
+        if saving:
+            self.level += _acts(node.act)
         for child in node.children:
-            self.forward(child)
-        self._forward_instant(self.level + _acts(node.out))
+            self.forward(child, saving)
+        # Unsaved, what the module would save still lives while its own code runs.
+        self._forward_instant(self.level + _acts(node.out + (0 if saving else node.act)))
         if node.unit is not None:
             self.post_forward(node.unit)
+
+    def recompute(self, node: Node) -> None:
+        """The forward ``torch.utils.checkpoint`` runs again in backward when ``node``'s first saved tensor is needed
+        (see [Note: recomputation]): its subtree saves again what it saved (what it kept of its inputs is alive
+        already), and the units nested in it are gathered by their own pre-forward hooks, which fire in the
+        recomputation (their pre-backward then finds them gathered)."""
+        for i in self._nested_full_shard_units(node):
+            u = self.bytes[i]
+            self.level += _comm(u.flat) + _gathered(u.gathered)
+            self._backward_instant(self.level)
+            self.level -= _comm(u.flat)
+            self.gathered_in_recompute.add(i)
+        self.level += _acts(node.saved() - node.kept_saved)
+        self._backward_instant(self.level)
+
+    def _nested_full_shard_units(self, node: Node) -> list[int]:
+        found: list[int] = []
+        stack = list(node.children)
+        while stack:
+            child = stack.pop()
+            if child.unit is not None and self.bytes[child.unit].mode == "full_shard":
+                found.append(child.unit)
+            if not child.recompute:  # a nested recomputed module is run again (and gathers) in its own backward
+                stack.extend(child.children)
+        return found
 
     def start_backward(self) -> MemoryParts:
         """Restart the level for the backward; returns what this segment's last unit leaves for the next segment to
@@ -332,6 +380,8 @@ class SegmentSimulator:
         if node.unit is not None:
             ddp = not self.bytes[node.unit].sharded
             self.pre_backward(node.unit)
+        if node.recompute:
+            self.recompute(node)
         for child in reversed(node.children):
             self.backward(child, ddp)
         self.level += _grads(node.grad)
@@ -340,6 +390,8 @@ class SegmentSimulator:
         if ddp:
             self.level -= _grads(node.grad)
         self.level -= _acts(node.act)
+        if node.recompute:
+            self.level -= _acts(node.kept - node.kept_saved)  # the checkpoint's inputs, freed with its graph
         if node.unit is not None and not self.units[node.unit].deferred:
             self.post_backward(node.unit)
 
@@ -378,10 +430,17 @@ class SegmentSimulator:
                 (_params(u.params) + MemoryParts(optimizer_states=u.optim) + _grads(u.bucket) for u in b), ZERO
             ),
             grads=sum((_grads(u.grad) for u in b), ZERO),
+            buckets=sum((_grads(u.bucket) for u in b), ZERO),
             optimizer_temp=MemoryParts(optimizer_states=round(optimizer_temporaries * largest)),
-            seconds=sum(u.time.added for u in self.units),
+            seconds=sum(u.time.added for u in self.units) + _recompute_seconds(self.segment.root),
             units=tuple(self.units),
         )
+
+
+def _recompute_seconds(node: Node) -> float:
+    """Forward seconds run again in backward: each recomputed module's subtree, once per recomputation."""
+    own = node.forward_seconds() if node.recompute else 0.0
+    return own + sum(_recompute_seconds(c) for c in node.children)
 
 
 def simulate_segment(
@@ -559,6 +618,14 @@ class _StepWalk(Generic[V]):
         self.grads = be.materialize(grads, "grads")
         self.level = be.materialize(be.add(persistent, self.grads), "level_start")
         be.checkpoint("step start", self.level)
+        # DDP rebuilds its buckets once, in the second step's forward, in the order the gradients became ready in the
+        # first: the new buckets are allocated while the old ones still hold last step's gradients.
+        buckets = be.const(ZERO)
+        for g in self.globals:
+            buckets = be.add(buckets, self.pick(g, "bucket"))
+        for s in self.segments:
+            buckets = be.add(buckets, self.seg(s, "buckets"))
+        be.checkpoint("second step: DDP rebuilds its buckets", be.add(self.level, buckets))
 
     def forward(self) -> None:
         """The global units gather first (the root's pre-forward), then every item in forward order."""

@@ -63,6 +63,8 @@ class ModuleProfile:
         input_bytes: bytes of the tensors the module's forward is called with (distinct storages; parameters,
             buffers and the batch excluded): what activation checkpointing keeps of it for backward (``None``: not
             measured, a profile from before this field).
+        input_saved_bytes: the part of ``input_bytes`` first saved for backward inside this module's subtree (so
+            counted in its and its descendants' ``activation_bytes``); ``None`` likewise.
     """
 
     name: str
@@ -83,6 +85,7 @@ class ModuleProfile:
     buffer_bytes: int = 0
     optim_scalar_bytes: int = 0
     input_bytes: int | None = None
+    input_saved_bytes: int | None = None
 
 
 @dataclass

@@ -250,6 +250,7 @@ def _module_profiles(
             buffer_bytes=figures.buffer_bytes,
             optim_scalar_bytes=session.state.scalar_bytes.get(name, 0),
             input_bytes=traced.input_bytes,
+            input_saved_bytes=traced.input_saved_bytes,
         )
     return profiles
 

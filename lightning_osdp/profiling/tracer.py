@@ -20,7 +20,8 @@ by several modules belongs to the first one.
 
 *Inputs*: the bytes of the tensors a module's forward is called with (distinct storages, parameters, buffers and
 the batch excluded, summed over calls): what activation checkpointing keeps for backward in place of the module's
-activations.
+activations; and the part of them first saved for backward inside the module's own subtree (so counted in its
+activations: the input a recomputation saves again is the one the checkpoint kept, not new memory).
 
 *Activations*: tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``) during the
 forward, charged to the innermost running module, counted by storage (a storage saved twice, or by two modules,
@@ -131,6 +132,7 @@ class ModuleRecord:
     activation_bytes: int = 0
     output_bytes: int = 0
     input_bytes: int = 0
+    input_saved_bytes: int = 0
     fwd_ops: OpTally = field(default_factory=OpTally)
     bwd_ops: OpTally = field(default_factory=OpTally)
 
@@ -155,6 +157,7 @@ class _Frame:
     start: float
     hook: float
     inner: float = 0.0
+    inputs: frozenset[int] = frozenset()
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -302,13 +305,13 @@ class ModuleTracer:
         self._claim(leaves, self._stack[-1].name if self._stack else None)
         name = self.names[id(mod)]
         assert self._record is not None
-        if self._memory:
-            self._record.modules[name].input_bytes += self._input_bytes(leaves)
+        inputs: dict[int, int] = self._input_storages(leaves) if self._memory else {}
+        self._record.modules[name].input_bytes += sum(inputs.values())
         if name not in self._started:  # first call this step
             self._started.add(name)
             self._record.forward_order.append(name)
         start = self.clock()
-        self._stack.append(_Frame(name, start, start - enter))
+        self._stack.append(_Frame(name, start, start - enter, inputs=frozenset(inputs)))
 
     def _post_forward(self, mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self._phase != "forward" or not self._stack:
@@ -327,7 +330,7 @@ class ModuleTracer:
         if self._stack:
             self._stack[-1].inner += inclusive + frame.hook + (self.clock() - end)
 
-    def _input_bytes(self, leaves: Iterable[Any]) -> int:
+    def _input_storages(self, leaves: Iterable[Any]) -> dict[int, int]:
         storages: dict[int, int] = {}
         for t in leaves:
             if not isinstance(t, Tensor):
@@ -337,7 +340,7 @@ class ModuleTracer:
                 key = int(storage._cdata)
                 if key not in self._excluded:
                     storages[key] = _static(storage.nbytes()) or 0
-        return sum(storages.values())
+        return storages
 
     def _claim(self, leaves: Iterable[Any], owner: str | None) -> None:
         pending = [t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None]
@@ -379,6 +382,9 @@ class ModuleTracer:
                 if nbytes is None:
                     self._unsized += 1
                 self._record.of(owner).activation_bytes += nbytes or 0
+                for frame in self._stack:
+                    if key in frame.inputs:
+                        self._record.modules[frame.name].input_saved_bytes += nbytes or 0
         return t
 
     # ---------------------------------------------------------------- operators

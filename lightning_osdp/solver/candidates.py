@@ -22,8 +22,10 @@ splittable Linear and ``mode`` is sharded); *fine* ``(segment mode, inner mode, 
 sharded and at least as sharded as the segment's (``no_shard`` < ``shard_grad_op`` < ``full_shard``; the reverse
 only adds collectives, and ``no_shard`` inside ``no_shard`` is the coarse option: DDP has no units): every inner unit
 takes the inner mode and is split into the fewest allowed slices that bring it down to the slice size, one slice
-size per allowed split factor of the largest inner unit. Options that are no better in time and in every memory
-term than another option of the same segment are dropped before the ILP (they can never be needed).
+size per allowed split factor of the largest inner unit. Each of these may also *recompute* the segment (activation
+checkpointing of its entry module: it keeps only its inputs for backward and runs its forward again there), when
+the solver is allowed to. Options that are no better in time and in every memory term than another option of the
+same segment are dropped before the ILP (they can never be needed).
 
 ``units=`` overrides steps 1 to 3: top-level names are segments, names nested in one are its inner units, tied
 holders all named form their list group (a tied holder named without the others stays in the root).
@@ -33,12 +35,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from lightning_osdp.cost_model.structure import ModelInfo
 from lightning_osdp.grouping import ROOT, merged_ties
 from lightning_osdp.plan import MODES, Decision
 
-__all__ = ["Candidates", "SegmentCandidate", "SegmentOption", "planning_units", "segment_options"]
+__all__ = ["Candidates", "Recompute", "SegmentCandidate", "SegmentOption", "planning_units", "segment_options"]
+
+#: Whether the solver may recompute segments: never (``False``), always where a segment saves activations
+#: (``True``), or where it pays (``"auto"``).
+Recompute = bool | Literal["auto"]
 
 
 @dataclass(frozen=True)
@@ -184,8 +191,34 @@ def segment_options(
     candidate: SegmentCandidate,
     modes: Sequence[str],
     splits: Sequence[int],
+    recompute: Recompute = False,
 ) -> list[SegmentOption]:
-    """Every option of a segment (see [Note: how planning units are chosen]); ``splits`` already capped."""
+    """Every option of a segment (see [Note: how planning units are chosen]); ``splits`` already capped.
+
+    ``recompute``: ``False``, options without recomputation only; ``True``, every option recomputes the segment
+    (when its modules save anything for backward); ``"auto"``, each option both ways."""
+    options = _sharding_options(info, candidate, modes, splits)
+    saves = any(info.modules[n].activation_bytes > 0 for n in info.subtree(candidate.entry))
+    if recompute is False or not saves:
+        return options
+    recomputed = [_recomputing(option) for option in options]
+    return recomputed if recompute is True else [*options, *recomputed]
+
+
+def _recomputing(option: SegmentOption) -> SegmentOption:
+    """``option`` with its segment's module recomputed (the entry's decision; the whole segment runs again)."""
+    (entry, first), *rest = option.decisions
+    decision = Decision(first.mode, first.split, recompute=True)
+    return SegmentOption(((entry, decision), *rest), f"{option.label} +recompute")
+
+
+def _sharding_options(
+    info: ModelInfo,
+    candidate: SegmentCandidate,
+    modes: Sequence[str],
+    splits: Sequence[int],
+) -> list[SegmentOption]:
+    """A segment's options of mode and split."""
     entry = candidate.entry
     options: list[SegmentOption] = []
     entry_limit = info.splittable(entry) if entry not in _holders(info) else 1

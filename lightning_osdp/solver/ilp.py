@@ -94,6 +94,7 @@ from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solve_report import PredictionSummary, SolveReport
 from lightning_osdp.solver.candidates import (
     Candidates,
+    Recompute,
     SegmentCandidate,
     SegmentOption,
     planning_units,
@@ -253,6 +254,7 @@ class PlanningProblem:
         splits: allowed split factors (already capped by ``max_split``).
         units: planning units overriding the automatic choice (see ``candidates.py``).
         config: cost-model constants.
+        recompute: whether segments may recompute their activations (see ``candidates.py``).
     """
 
     def __init__(
@@ -264,12 +266,16 @@ class PlanningProblem:
         splits: Sequence[int] = (1,),
         units: Iterable[str] | None = None,
         config: CostModelConfig | None = None,
+        recompute: Recompute = False,
     ) -> None:
         _check_options(modes, splits)
+        if recompute not in (True, False, "auto"):
+            raise ValueError(f"recompute must be True, False or 'auto', got {recompute!r}")
         self.profile = profile
         self.world_size = world_size
         self.modes = tuple(modes)
         self.splits = tuple(sorted(set(splits)))
+        self.recompute: Recompute = recompute
         self.config = (config or CostModelConfig()).resolve(profile)
         self.info = ModelInfo(profile, world_size, self.config)
         self.candidates: Candidates = planning_units(self.info, units=units)
@@ -337,7 +343,7 @@ class PlanningProblem:
         self, candidate: SegmentCandidate
     ) -> tuple[list[SegmentOption], dict[Hashable, SegmentCosts]]:
         """A segment's options, each simulated, less those another option dominates (see :func:`_prune`)."""
-        options = segment_options(self.info, candidate, self.modes, self.splits)
+        options = segment_options(self.info, candidate, self.modes, self.splits, self.recompute)
         costs: dict[int, SegmentCosts] = {}
         for i, option in enumerate(options):
             segment = build_segment(self.info, candidate.entry, dict(option.decisions), excluded=self.layout.excluded)
@@ -394,6 +400,8 @@ class PlanningProblem:
                     n in self.layout.excluded,
                     info.pos[n] <= info.first_trainable_pos,
                     info.splittable(n),
+                    mp.input_bytes,
+                    mp.input_saved_bytes,
                 )
             )
         return tuple(rows)
@@ -577,6 +585,11 @@ class PlanningProblem:
             # Branch and bound ran out of time without a better plan: the incumbent fits, and the LP (or the count
             # relaxation) bounds how far from the optimum it can be.
             return incumbent.timed_out()
+        if chosen is not None and not incumbent.fits(incumbent.score(chosen)[0]):
+            # CBC's values break a row of the problem (see _run_cbc's NOTE on CBC's statuses): no plan from them.
+            chosen = None
+            if incumbent.chosen is None:
+                return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
         if incumbent.chosen is not None:
             if chosen is None:
                 status = "optimal" if gap <= 1e-9 else f"within gap {gap:g}"
@@ -619,7 +632,7 @@ class PlanningProblem:
             return None
         finally:
             for x in relaxed:
-                x.cat = pulp.LpBinary
+                x.cat = pulp.LpInteger  # what pulp makes of LpBinary: "Binary" itself would be continuous
         if result.status == "infeasible" or math.isnan(result.objective):
             return None
         if result.gap is None and result.status != "optimal":
@@ -791,6 +804,7 @@ def _fields(c: SegmentCosts) -> list[MemoryParts | None]:
         c.persistent,
         c.grads,
         c.optimizer_temp,
+        c.buckets,
     ]
 
 
@@ -926,6 +940,7 @@ def minimum_budget(
     config: CostModelConfig | None = None,
     gap: float = 1e-6,
     time_limit: float = 10.0,
+    recompute: Recompute = "auto",
 ) -> int:
     """The smallest per-device peak (bytes) any plan reaches under the given options: the ILP with the peak as
     its objective. Budgets below it are infeasible for :func:`solve`."""
@@ -936,6 +951,7 @@ def minimum_budget(
         splits=_splits(splits, max_split),
         units=units,
         config=config,
+        recompute=recompute,
     )
     _, minimum = _minimum(problem, gap=gap, time_limit=time_limit)
     return minimum
@@ -964,6 +980,7 @@ def solve(
     time_limit: float = 10.0,
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
+    recompute: Recompute = "auto",
 ) -> Plan:
     """The plan with the smallest predicted step time whose predicted per-device peak fits ``memory_budget``.
 
@@ -978,6 +995,8 @@ def solve(
         time_limit: CBC's time limit in seconds.
         units: planning units overriding the automatic choice (see ``lightning_osdp/solver/candidates.py``).
         config: cost-model constants.
+        recompute: whether segments may recompute their activations: ``"auto"`` (where it pays), ``True`` (every
+            segment that saves activations does), ``False`` (none does).
 
     Returns:
         a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds
@@ -996,7 +1015,9 @@ def solve(
     budget = parse_memory_budget(memory_budget)
     ws = world_size or profile.world_size
     started = time.perf_counter()
-    problem = PlanningProblem(profile, ws, modes=modes, splits=_splits(splits, max_split), units=units, config=config)
+    problem = PlanningProblem(
+        profile, ws, modes=modes, splits=_splits(splits, max_split), units=units, config=config, recompute=recompute
+    )
     be = problem.build()
     chosen, result = problem.solve_ilp(be, budget=budget, gap=gap, time_limit=time_limit)
     chosen, result = _check_replicated(problem, be, budget, chosen, result)
@@ -1020,6 +1041,7 @@ def solve(
         splits=tuple(problem.splits),
         solve_seconds=time.perf_counter() - started,
         cbc_seconds=result.seconds,
+        recompute=problem.recompute,
     )
     return Plan(plan.decisions, info={"source": "lightning_osdp.solver"}, report=report)
 
@@ -1075,7 +1097,12 @@ def _infeasible(problem: PlanningProblem, budget: int, time_limit: float) -> Inf
         f"{problem.world_size} ranks: the smallest budget any plan meets is {format_bytes(minimum)} "
         f"({minimum} bytes), with {plan.summary()} (peak at {prediction.peak_at!r}: {parts}). "
         f"Largest consumers (parameters, gradients and optimizer state unsharded, plus activations): {top}. "
-        "Raise the budget, add ranks, or reduce the batch size (activations do not shard)."
+        "Raise the budget, add ranks, or reduce the batch size (activations do not shard)"
+        + (
+            ", or let the planner recompute activations (activation_checkpointing='auto')."
+            if problem.recompute is False
+            else "."
+        )
     )
     return InfeasibleBudgetError(message, budget=budget, minimum=minimum, consumers=consumers)
 

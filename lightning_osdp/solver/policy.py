@@ -21,6 +21,7 @@ from lightning_osdp.budget import format_bytes, parse_memory_budget
 from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.ilp import InfeasibleBudgetError, minimum_budget, solve
 
 __all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
@@ -52,6 +53,7 @@ def plan_model(
     gap: float = 1e-3,
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
+    recompute: Recompute = "auto",
 ) -> Plan:
     """The fastest plan whose predicted peak fits ``memory_budget`` less the planner's ``headroom``.
 
@@ -62,7 +64,7 @@ def plan_model(
         memory_budget: per-device bytes, or a string such as ``"6GiB"``.
         world_size: ranks (default: the profile's).
         headroom: the fraction of ``memory_budget`` kept free (see [Note: headroom]).
-        modes, max_split, time_limit, gap, units, config: as for :func:`~lightning_osdp.solver.solve`.
+        modes, max_split, time_limit, gap, units, config, recompute: as for :func:`~lightning_osdp.solver.solve`.
 
     Returns:
         the plan; its ``report`` also records ``memory_budget_bytes`` (the budget given) and ``memory_headroom``.
@@ -84,6 +86,7 @@ def plan_model(
             gap=gap,
             units=units,
             config=config,
+            recompute=recompute,
         )
     except InfeasibleBudgetError as err:
         needed = _with_headroom(err.minimum, headroom)
@@ -110,11 +113,19 @@ def smallest_memory_budget(
     time_limit: float = 10.0,
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
+    recompute: Recompute = "auto",
 ) -> int:
     """The smallest ``memory_budget`` (bytes) :func:`plan_model` accepts: the smallest peak any plan reaches,
     grown by the headroom."""
     minimum = minimum_budget(
-        profile, world_size, modes=modes, max_split=max_split, time_limit=time_limit, units=units, config=config
+        profile,
+        world_size,
+        modes=modes,
+        max_split=max_split,
+        time_limit=time_limit,
+        units=units,
+        config=config,
+        recompute=recompute,
     )
     return _with_headroom(minimum, _check_headroom(headroom))
 
