@@ -11,14 +11,16 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.utils.checkpoint
 import torchmetrics
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, hidden: int) -> None:
+    def __init__(self, width: int, hidden: int, dropout: float = 0.0) -> None:
         super().__init__()
+        self.dropout = dropout
         self.ln_1 = nn.LayerNorm(width)
         # NOTE: no attention biases. The key bias has an exactly-zero gradient (softmax is shift-invariant), so
         # its computed gradient is pure rounding noise, which Adam normalises into lr-sized random steps: a
@@ -32,8 +34,12 @@ class Block(nn.Module):
         h = self.ln_1(x)
         t = x.shape[1]
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+        x = x + self._drop(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
+        return x + self._drop(self.proj(torch.nn.functional.gelu(self.fc(self.ln_2(x)))))
+
+    def _drop(self, x: Tensor) -> Tensor:
+        # Functional, so that a model without dropout has the same modules as before it existed.
+        return torch.nn.functional.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class TinyGPT(L.LightningModule):
@@ -48,12 +54,16 @@ class TinyGPT(L.LightningModule):
         context: int = 16,
         lr: float = 1e-2,
         optimizer: str = "adamw",
+        dropout: float = 0.0,
+        checkpointed: tuple[int, ...] = (),
     ) -> None:
+        """``checkpointed``: blocks whose forward the model itself runs under ``torch.utils.checkpoint`` (as a user
+        checkpoints by hand): the reference OSDP's recomputation is compared with."""
         super().__init__()
         self.save_hyperparameters()
         self.wte = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.randn(context, width) * 0.02)
-        self.h = nn.ModuleList([Block(width, hidden) for _ in range(layers)])
+        self.h = nn.ModuleList([Block(width, hidden, dropout) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(width)
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
@@ -68,8 +78,11 @@ class TinyGPT(L.LightningModule):
     def forward(self, idx: Tensor) -> Tensor:
         x = self.wte(idx) + self.pos[: idx.shape[1]]
         x = x + 0.1 * self.frozen(x)
-        for block in self.h:
-            x = block(x)
+        for i, block in enumerate(self.h):
+            if i in self.hparams.checkpointed:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
     def _loss(self, batch: Tensor) -> tuple[Tensor, Tensor]:

@@ -180,3 +180,13 @@ def test_on_two_cpu_ranks_a_units_all_gather_buffer_is_freed_when_its_forward_en
         # FSDP2 alone keeps h.0's flat all-gather buffer (2 ranks x its padded shard) until the root's post-forward,
         # through h.1 (no_shard) and the rest of the forward; OSDP's all-gather frees it when h.0's forward ends.
         assert result["kept"] - result["released"] == result["flat_bytes"] > 0
+
+
+def test_splitting_draws_nothing_from_the_global_rng() -> None:
+    # A split made after seeding must not shift the random stream (dropout masks, data order) of the run.
+    linear = nn.Linear(13, 85)
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    SplitLinear(linear, 4)
+    assert torch.equal(torch.rand(4), expected)

@@ -31,6 +31,12 @@ CASES = [
     "mixed@bf16-mixed",
     "ddp@bf16-true",
     "mixed@bf16-true",
+    "ddp@ac",
+    "no_shard+ac@ac",
+    "full_shard+ac@ac",
+    "shard_grad_op+ac@ac",
+    "ddp@acmix",
+    "mixed+ac@acmix",
 ]
 # Relative tolerance of the issue: losses per step and final parameters within 1e-5 of DDP.
 RTOL = 1e-5
@@ -62,6 +68,18 @@ def assert_matches(case: dict[str, Any], ref: dict[str, Any], rtol: float) -> No
 def test_every_mode_matches_ddp(results: dict[str, list[dict[str, Any]]], plan: str) -> None:
     for rank in range(2):
         assert_matches(results[plan][rank], results["ddp"][rank], RTOL)
+
+
+@pytest.mark.parametrize("plan", ["no_shard+ac@ac", "full_shard+ac@ac", "shard_grad_op+ac@ac", "mixed+ac@acmix"])
+def test_recomputation_matches_ddp_with_the_same_blocks_checkpointed_by_hand(
+    results: dict[str, list[dict[str, Any]]], plan: str
+) -> None:
+    # Dropout 0.1: the recomputation draws the masks the forward drew (torch's checkpoint restores the RNG state),
+    # or the losses would part from the reference's at the first step.
+    reference = "ddp@" + plan.partition("@")[2]
+    for rank in range(2):
+        assert_matches(results[plan][rank], results[reference][rank], RTOL)
+    assert results[plan][0]["plan"]["decisions"]["h.0"].get("recompute") is True
 
 
 def test_accumulation_and_clipping_match_ddp(results: dict[str, list[dict[str, Any]]]) -> None:

@@ -46,7 +46,11 @@ class SplitLinear(nn.Module):
         biases = torch.tensor_split(linear.bias.detach(), k, dim=0) if linear.bias is not None else [None] * k
         self.slices = nn.ModuleList()
         for w, b in zip(weights, biases, strict=True):
-            part = nn.Linear(self.in_features, w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+            # Uninitialised: nn.Linear's own init would draw from the global RNG, and the dropout masks of the run
+            # (and its parity with an unsplit run) would shift.
+            part = torch.nn.utils.skip_init(
+                nn.Linear, self.in_features, w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype
+            )
             with torch.no_grad():
                 part.weight.copy_(w)
                 if b is not None:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from clean_exit import finish
 
 import lightning_osdp
-from lightning_osdp import OSDPStrategy, Plan
+from lightning_osdp import Decision, OSDPStrategy, Plan
 
 from models import TinyGPT, loaders
 
@@ -53,7 +53,26 @@ PLANS: dict[str, dict[str, Any]] = {
         "h.0.fc": ("full_shard", 4),
         "h.1.proj": ("full_shard", 2),
     },
+    # Recomputation in every mode, and in a mixed plan with a tied group, a split Linear inside a recomputed block
+    # (its slices' own hooks gather them in the recomputation) and a recomputed DDP block.
+    "no_shard+ac": {"": "no_shard", **{f"h.{i}": Decision("no_shard", recompute=True) for i in range(3)}},
+    "full_shard+ac": {"": "full_shard", **{f"h.{i}": Decision("full_shard", recompute=True) for i in range(3)}},
+    "shard_grad_op+ac": {
+        "": "shard_grad_op",
+        **{f"h.{i}": Decision("shard_grad_op", recompute=True) for i in range(3)},
+    },
+    "mixed+ac": {
+        "": "no_shard",
+        "wte": "full_shard",
+        "lm_head": "full_shard",
+        "h.0": Decision("full_shard", recompute=True),
+        "h.0.fc": ("full_shard", 4),
+        "h.1": "shard_grad_op",
+        "h.2": Decision("no_shard", recompute=True),
+    },
 }
+#: Per variant with dropout, the blocks the DDP reference checkpoints by hand: those the plans above recompute.
+CHECKPOINTED = {"ac": (0, 1, 2), "acmix": (0, 2)}
 
 
 class GradSyncProbe(Callback):
@@ -93,6 +112,8 @@ def run(case: str, out: Path) -> None:
         kwargs.update(accumulate_grad_batches=2, gradient_clip_val=0.05)
     elif variant == "sgd":
         model = TinyGPT(optimizer="sgd")
+    elif variant in CHECKPOINTED:
+        model = TinyGPT(dropout=0.1, checkpointed=CHECKPOINTED[variant] if name == "ddp" else ())
     strategy: Any = "ddp" if name == "ddp" else OSDPStrategy(plan=Plan(PLANS[name]))
     # 2 nodes x 1 process when the test launches two single-process torchrun agents.
     num_nodes = int(os.environ.get("OSDP_TEST_NUM_NODES", "1"))
