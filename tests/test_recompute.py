@@ -1,0 +1,103 @@
+"""Recomputation (activation checkpointing) as the executor applies it and the cost model counts it."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_osdp.apply import is_recomputed, recompute_modules
+
+from conftest import ROOT, torchrun
+from models import Block, TinyGPT
+
+
+def test_recomputation_keeps_module_names_and_computes_the_same_gradients_with_dropout() -> None:
+    torch.manual_seed(0)
+    plain = Block(21, 85, dropout=0.3)
+    recomputed = copy.deepcopy(plain)
+    names = [n for n, _ in plain.named_modules()]
+    recompute_modules(recomputed, [""])
+    assert is_recomputed(recomputed) and not is_recomputed(plain)
+    assert [n for n, _ in recomputed.named_modules()] == names  # plans and state-dict keys unchanged
+    x = torch.randn(4, 16, 21)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    torch.manual_seed(1)
+    y1 = plain(x1)
+    torch.manual_seed(1)
+    y2 = recomputed(x2)
+    # The recomputation in backward runs dropout again: torch restores the RNG state, so the masks are the forward's
+    # and every gradient is the plain module's, bit for bit.
+    torch.manual_seed(99)  # what runs between forward and backward draws numbers too
+    y1.square().sum().backward()
+    torch.manual_seed(99)
+    y2.square().sum().backward()
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+    for (name, p1), p2 in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
+        assert torch.equal(p1.grad, p2.grad), name
+
+
+def test_recomputation_saves_only_the_modules_inputs() -> None:
+    torch.manual_seed(0)
+    block = Block(63, 252)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    x = torch.randn(8, 32, 63, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    plain = sum(saved)
+    saved.clear()
+    recompute_modules(block, [""])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    assert sum(saved) < plain / 10  # the checkpoint's own records, not the block's activations
+
+
+@pytest.mark.distributed
+def test_a_recomputed_sharded_unit_is_gathered_no_more_often_and_its_peak_is_predicted(tmp_path: Path) -> None:
+    torchrun(ROOT / "tests" / "distributed" / "recompute_runner.py", str(tmp_path))
+    results = json.loads((tmp_path / "recompute.json").read_text())
+    # Checkpointing inside the FSDP2 unit: backward's own gather serves the recomputation. 3 full_shard blocks: 2
+    # all-gathers each per step, with or without recomputation.
+    assert results["full_shard"]["all_gathers"] == results["full_shard+recompute"]["all_gathers"] == 6
+    # A full_shard unit nested in a recomputed block is gathered by its own pre-forward in the recomputation, and its
+    # pre-backward finds it gathered: still 2 per step (the shard_grad_op block: 1).
+    assert results["nested"]["all_gathers"] == results["nested+recompute"]["all_gathers"] == 3
+    for name, r in results.items():
+        assert r["predicted"] == pytest.approx(r["peak"], rel=0.10), name
+    assert results["full_shard+recompute"]["peak"] < results["full_shard"]["peak"]
+
+
+def test_a_model_of_recomputed_blocks_trains_under_the_strategy_and_the_plan_says_so(tmp_path: Path) -> None:
+    import lightning as L
+
+    from lightning_osdp import Decision, OSDPStrategy, Plan
+
+    from models import loaders
+
+    train, _ = loaders()
+    plan = Plan({"": "no_shard", **{f"h.{i}": Decision("no_shard", recompute=True) for i in range(3)}})
+    model = TinyGPT()
+    trainer = L.Trainer(
+        strategy=OSDPStrategy(plan=plan),
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train)
+    assert all(is_recomputed(model.h[i]) for i in range(3)) and not is_recomputed(model.ln_f)
+    assert len(model.losses) == 3 and all(torch.isfinite(torch.tensor(model.losses)))
+    assert "3 recompute" in trainer.strategy.plan.summary()
+    assert isinstance(model.h[0], nn.Module)
