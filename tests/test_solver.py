@@ -135,7 +135,7 @@ def test_ilp_optimum_equals_brute_force_under_the_cost_model(seed, units, blocks
     profile = random_profile(seed, units, blocks=blocks, world_size=world_size)
     plans = all_plans(profile, splits=splits)
     low, high = min(p for _, p, _ in plans), max(p for _, p, _ in plans)
-    assert minimum_budget(profile, splits=splits) == low
+    assert minimum_budget(profile, splits=splits, gap=1e-9) == low
     rng = random.Random(seed)
     for fraction in (rng.uniform(0.02, 0.3), rng.uniform(0.3, 0.7), 1.0):
         budget = int(low + (high - low) * fraction)
@@ -349,7 +349,7 @@ def test_recomputation_can_be_ruled_out_or_forced_and_the_optimum_still_equals_b
     profile = random_profile(3, 2, blocks=True, world_size=2)
     plans = all_plans(profile, splits=(1, 2), recompute=recompute)
     low, high = min(p for _, p, _ in plans), max(p for _, p, _ in plans)
-    assert minimum_budget(profile, splits=(1, 2), recompute=recompute) == low
+    assert minimum_budget(profile, splits=(1, 2), recompute=recompute, gap=1e-9) == low
     for fraction in (0.1, 0.5, 1.0):
         budget = int(low + (high - low) * fraction)
         plan = solve(profile, budget, splits=(1, 2), gap=1e-9, recompute=recompute)
