@@ -143,13 +143,19 @@ class Plan:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def uniform(cls, module: nn.Module, mode: str, units: Iterable[str] | None = None) -> Plan:
-        """The same ``mode`` for the root and every unit (by default :func:`default_units`).
+    def uniform(
+        cls, module: nn.Module, mode: str, units: Iterable[str] | None = None, *, recompute: bool = False
+    ) -> Plan:
+        """The same ``mode`` for the root and every unit (by default :func:`default_units`), each unit recomputing
+        its activations when ``recompute``.
 
-        ``Plan.uniform(model, "full_shard")`` is FSDP with one unit per block, ``"no_shard"`` is DDP.
+        ``Plan.uniform(model, "full_shard")`` is FSDP with one unit per block, ``"no_shard"`` is DDP;
+        ``Plan.uniform(model, "full_shard", recompute=True)`` is FSDP with every block checkpointed.
         """
         names = list(default_units(module) if units is None else units)
-        return cls({name: Decision(mode) for name in [ROOT, *names]}, info={"source": f"uniform:{mode}"})
+        decisions = {ROOT: Decision(mode), **{name: Decision(mode, recompute=recompute) for name in names}}
+        source = f"uniform:{mode}" + ("+recompute" if recompute else "")
+        return cls(decisions, info={"source": source})
 
     # ------------------------------------------------------------------ queries
     def mode_of(self, name: str) -> str:

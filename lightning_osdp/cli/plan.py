@@ -48,8 +48,16 @@ from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, pl
 
 __all__ = ["BASELINES", "DryRun", "StrategyFigures", "run"]
 
-#: The uniform strategies compared with OSDP: (name, mode).
-BASELINES: tuple[tuple[str, str], ...] = (("DDP", "no_shard"), ("ZeRO-2", "shard_grad_op"), ("FSDP", "full_shard"))
+#: The uniform strategies compared with OSDP: (name, mode, every block recomputed). "+AC": activation checkpointing
+#: of every block, as Lightning users configure it by hand.
+BASELINES: tuple[tuple[str, str, bool], ...] = (
+    ("DDP", "no_shard", False),
+    ("ZeRO-2", "shard_grad_op", False),
+    ("FSDP", "full_shard", False),
+    ("DDP+AC", "no_shard", True),
+    ("ZeRO-2+AC", "shard_grad_op", True),
+    ("FSDP+AC", "full_shard", True),
+)
 
 
 @dataclass
@@ -85,7 +93,8 @@ class StrategyFigures:
     """One row of the comparison.
 
     Attributes:
-        name: ``"OSDP"``, ``"DDP"``, ``"ZeRO-2"`` or ``"FSDP"``.
+        name: ``"OSDP"`` or a baseline's (:data:`BASELINES`: ``"DDP"``, ``"ZeRO-2"``, ``"FSDP"``, each also with
+            ``"+AC"``, every block recomputed).
         plan: the plan predicted (OSDP's from the solver).
         prediction: its prediction at the requested batch size.
         max_batch: the largest per-device batch size whose peak fits the budget (0: none; ``None``: not searched).
@@ -299,9 +308,9 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
     if infeasible is not None:  # outside the step above: one progress display at a time
         raise _infeasible(run, infeasible, scaled, out) from None
     rows = [StrategyFigures("OSDP", osdp_plan, predict(profile, osdp_plan, run.world_size))]
-    for name, mode in BASELINES:
-        plan = Plan.uniform(run.model, mode)
-        plan.info["source"] = f"uniform {mode} ({name})"
+    for name, mode, recompute in BASELINES:
+        plan = Plan.uniform(run.model, mode, recompute=recompute)
+        plan.info["source"] = f"uniform {mode}{' +recompute' if recompute else ''} ({name})"
         rows.append(StrategyFigures(name, plan, predict(profile, plan, run.world_size)))
     if not search:
         return rows
@@ -332,7 +341,7 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
         modes = (
             row.plan.summary().partition(": ")[2].rstrip(")")
             if row.name == "OSDP"
-            else f"all {row.plan.decisions[''].mode}"
+            else f"all {row.plan.decisions[''].mode}" + (" +recompute" if row.name.endswith("+AC") else "")
         )
         if row.max_batch is None:
             largest, at_max, rate = "-", "-", "-"

@@ -30,14 +30,15 @@ def format_plan(
             or logged).
         width: table width for rich.
 
-    Columns: the unit's module, its parameters (count), mode, split, the bytes it keeps all step on this rank
+    Columns: the unit's module, its parameters (count), mode, split, whether it recomputes its activations in
+    backward (activation checkpointing), the bytes it keeps all step on this rank
     (parameters, gradients, optimizer state), the bytes while gathered, its communication and what it adds to
     the step (exposed communication, copies, optimizer, overhead), in milliseconds.
     """
     if budget is None and plan.report is not None:
         budget = plan.report.requested_budget_bytes
     use_rich = sys.stdout.isatty() if rich_markup is None else rich_markup
-    headers = ["module", "params", "mode", "split", "kept", "gathered", "comm ms", "added ms"]
+    headers = ["module", "params", "mode", "split", "recompute", "kept", "gathered", "comm ms", "added ms"]
     rows = []
     for u in prediction.units:
         rows.append(
@@ -46,6 +47,7 @@ def format_plan(
                 _count(u.param_count),
                 u.mode,
                 str(u.split),
+                "yes" if u.name in plan.decisions and plan.decisions[u.name].recompute else "",
                 format_bytes(u.kept.total),
                 format_bytes(u.gathered),
                 f"{u.time.communication * 1e3:.2f}",
@@ -55,6 +57,7 @@ def format_plan(
     total = [
         "total",
         _count(sum(u.param_count for u in prediction.units)),
+        "",
         "",
         "",
         format_bytes(sum(u.kept.total for u in prediction.units)),
@@ -93,7 +96,7 @@ def _count(n: int) -> str:
 def _plain(title: str, headers: list[str], rows: list[list[str]], total: list[str], footer: list[str]) -> str:
     table = [headers, *rows, total]
     widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
-    right = {1, 3, 4, 5, 6, 7}
+    right = {1, 3, 5, 6, 7, 8}
 
     def line(r: list[str]) -> str:
         return "  ".join(
@@ -113,7 +116,7 @@ def _rich(
 
     table = Table(title=title, show_footer=False, title_justify="left")
     for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i in (0, 2) else "right")
+        table.add_column(h, justify="left" if i in (0, 2, 4) else "right")
     for r in rows:
         table.add_row(*r)
     table.add_section()
