@@ -186,6 +186,11 @@ class OSDPStrategy(ParallelStrategy):
         return self._memory_headroom
 
     @property
+    def activation_checkpointing(self) -> bool | Literal["auto"]:
+        """Whether the planner may recompute units' activations: ``"auto"``, ``True`` or ``False``."""
+        return self._activation_checkpointing
+
+    @property
     def timeout(self) -> timedelta:
         """The process-group timeout: how long a collective waits for a rank before the run fails."""
         return self._timeout

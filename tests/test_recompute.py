@@ -101,3 +101,48 @@ def test_a_model_of_recomputed_blocks_trains_under_the_strategy_and_the_plan_say
     assert len(model.losses) == 3 and all(torch.isfinite(torch.tensor(model.losses)))
     assert "3 recompute" in trainer.strategy.plan.summary()
     assert isinstance(model.h[0], nn.Module)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("true", True), ("false", False)])
+def test_lightning_cli_yaml_accepts_every_activation_checkpointing_setting(
+    tmp_path: Path, value: str, expected: object
+) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_osdp import OSDPStrategy
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  devices: 1\n"
+        "  strategy:\n"
+        "    class_path: lightning_osdp.OSDPStrategy\n"
+        "    init_args:\n"
+        f"      activation_checkpointing: {value}\n"
+    )
+    cli = LightningCLI(TinyGPT, run=False, args=["--config", str(config)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, OSDPStrategy) and strategy.activation_checkpointing == expected
+
+
+def test_activation_checkpointing_rules_the_planners_choice() -> None:
+    from lightning_osdp import OSDPStrategy, minimum_budget
+
+    from synthetic import gpt_profile
+
+    profile = gpt_profile(depth=4, width=128, tokens=256)
+    budget = int(minimum_budget(profile, 2, recompute=False) / 0.95) + 1  # fits without recomputation, barely
+
+    def recomputed(setting: object, memory_budget: int) -> set[str]:
+        plan = OSDPStrategy(memory_budget=memory_budget, activation_checkpointing=setting).plan_for(profile, 2)
+        assert plan.report is not None and plan.report.recompute == setting
+        return {name for name, d in plan.decisions.items() if d.recompute}
+
+    blocks = {f"model.blocks.{i}" for i in range(4)}
+    assert recomputed(False, budget) == set()  # the planner of releases before recomputation
+    assert recomputed(True, budget) == blocks  # every unit that saves activations
+    # Where recomputing is the cheaper way to fit, "auto" takes it.
+    assert recomputed("auto", budget)
+    with pytest.raises(ValueError, match=r"activation_checkpointing='yes'.*expected 'auto'"):
+        OSDPStrategy(activation_checkpointing="yes")
