@@ -64,7 +64,13 @@ def plan_model(
         memory_budget: per-device bytes, or a string such as ``"6GiB"``.
         world_size: ranks (default: the profile's).
         headroom: the fraction of ``memory_budget`` kept free (see [Note: headroom]).
-        modes, max_split, time_limit, gap, units, config, recompute: as for :func:`~lightning_osdp.solver.solve`.
+        modes: as for :func:`~lightning_osdp.solver.solve`.
+        max_split: likewise.
+        time_limit: likewise.
+        gap: likewise.
+        units: likewise.
+        config: likewise.
+        recompute: likewise.
 
     Returns:
         the plan; its ``report`` also records ``memory_budget_bytes`` (the budget given) and ``memory_headroom``.
