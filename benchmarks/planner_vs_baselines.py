@@ -3,8 +3,8 @@
 Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/planner_vs_baselines.py [--width ...]``.
 
 1. Measures the baselines: Lightning's DDP strategy, and FSDP2 applied per block by Lightning's
-   ModelParallelStrategy with FULL_SHARD and SHARD_GRAD_OP (peak memory and throughput; they do not depend on
-   the budget).
+   ModelParallelStrategy with FULL_SHARD and SHARD_GRAD_OP, each also with every block checkpointed in
+   ``configure_model`` as Lightning users do it (peak memory and throughput; they do not depend on the budget).
 2. Profiles the model and asks the solver for the smallest budget any plan meets (``minimum_budget``); the
    largest budget swept is DDP's requirement as a budget given to OSDP: DDP's measured peak divided by
    ``1 - memory_headroom`` (the planner keeps that fraction free, so at DDP's bare peak it could not choose DDP).
@@ -19,7 +19,8 @@ Prints, per budget: OSDP's throughput and measured peak (and whether it stayed u
 baseline whose measured peak fits the budget, and the ratios to it and to FULL_SHARD, each two ways: of the
 *fastest* round of each case, and of the *median* round. On a shared machine, load from elsewhere only slows a
 round down, so the fastest round is the closest to what the code costs (``timeit``'s reasoning); the median is
-printed next to it, as is the range of the per-round ratios. Then the issue's targets, checked on both. Every
+printed next to it, as is the range of the per-round ratios. Then the targets (at least 0.97x the best baseline that
+fits at every budget, 1.2x at the halfway budget), checked on both. Every
 figure comes from the same callback (wall time per training batch, CPU live-storage peak), see
 ``benchmarks/throughput.py``.
 """
@@ -70,7 +71,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    names = ["ddp", "fsdp_full", "fsdp_grad_op"]
+    names = ["ddp", "fsdp_full", "fsdp_grad_op", "ddp+ac", "fsdp_full+ac", "fsdp_grad_op+ac"]
     runs: dict[str, list[dict[str, Any]]] = {name: [run_case(name, args)] for name in names}
     headroom = OSDPStrategy().memory_headroom
     low = int(smallest_budget(args) / (1 - headroom)) + 1
@@ -166,8 +167,9 @@ def main() -> None:
             f"targets ({label}): every peak under its budget: {'met' if fits else 'NOT met'}; "
             f">= 0.97x the best fitting baseline at every budget: "
             f"{'met' if ratios and min(ratios) >= 0.97 else 'NOT met'} (lowest {worst}); "
-            f">= 1.3x FULL_SHARD at the halfway budget ({format_bytes(middle['budget'])}): "
-            f"{'met' if middle[full_key] >= 1.3 else 'NOT met'} ({middle[full_key]:.3f})"
+            f">= 1.2x the best fitting baseline at the halfway budget ({format_bytes(middle['budget'])}): "
+            f"{'met' if (middle[best_key] or 0) >= 1.2 else 'NOT met'} ({middle[best_key] or 0:.3f}); "
+            f"vs FULL_SHARD there {middle[full_key]:.3f}"
         )
     if args.out:
         args.out.write_text(

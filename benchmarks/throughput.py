@@ -1,7 +1,8 @@
 """Throughput and peak memory of OSDP plans against Lightning's DDP and FSDP2 (ModelParallelStrategy) baselines.
 
 Run under ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/throughput.py [options] CASE...``.
-A case is ``ddp``, ``fsdp_full`` / ``fsdp_grad_op`` (FSDP2 applied per block by ModelParallelStrategy, i.e.
+A case is ``ddp``, ``fsdp_full`` / ``fsdp_grad_op`` (each also with ``+ac``: every block checkpointed in
+``configure_model``), (FSDP2 applied per block by ModelParallelStrategy, i.e.
 FULL_SHARD / SHARD_GRAD_OP), ``osdp:MODE`` (a uniform plan over the blocks), ``osdp:PLAN.json`` or
 ``osdp@BUDGET`` (the planner, with a per-device budget such as ``300MiB``). Every case is measured the same
 way: a callback times each training batch and runs the CPU live-storage tracker over it (the same tracker the
@@ -86,6 +87,36 @@ class FSDPGradOpBaseline(FSDPBaseline):
     reshard_after_forward = False
 
 
+def _checkpoint_blocks(module: GPTModule) -> None:
+    """Activation checkpointing of every block, as a Lightning user writes it in ``configure_model`` (torch's
+    ``checkpoint_wrapper``, non-reentrant; before ``fully_shard``, the order torchtitan uses)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    blocks = set(module.model.blocks)
+    apply_activation_checkpointing(module.model, check_fn=lambda m: m in blocks)
+
+
+class DDPCheckpointed(GPTModule):
+    """Lightning's DDP with every block checkpointed."""
+
+    def configure_model(self) -> None:
+        _checkpoint_blocks(self)
+
+
+class FSDPCheckpointed(FSDPBaseline):
+    """FULL_SHARD per block, every block checkpointed."""
+
+    def configure_model(self) -> None:
+        _checkpoint_blocks(self)
+        super().configure_model()
+
+
+class FSDPGradOpCheckpointed(FSDPCheckpointed):
+    """SHARD_GRAD_OP per block, every block checkpointed."""
+
+    reshard_after_forward = False
+
+
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -125,6 +156,13 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         cls, strategy = FSDPBaseline, ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     elif case == "fsdp_grad_op":
         cls = FSDPGradOpBaseline
+        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    elif case == "ddp+ac":
+        cls, strategy = DDPCheckpointed, "ddp"
+    elif case == "fsdp_full+ac":
+        cls, strategy = FSDPCheckpointed, ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    elif case == "fsdp_grad_op+ac":
+        cls = FSDPGradOpCheckpointed
         strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
     elif case.startswith("osdp@"):
         budget = case.split("@", 1)[1]
