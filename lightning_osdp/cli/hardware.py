@@ -25,8 +25,9 @@ constant in ``N``). So with ``busbw`` the link's bus bandwidth::
     all_gather, reduce_scatter:  t = launch + (N - 1) * hop     + (N - 1) / N * S / busbw
     all_reduce:                  t = launch + 2 * (N - 1) * hop + 2 * (N - 1) / N * S / busbw
 
-A ring spanning several nodes runs at the slower of the node's NVLink/PCIe and its network links, and pays the
-slower link's hop latency. NCCL's tree and NVLS algorithms beat the ring at some sizes and scales: this model is
+A ring spanning several nodes runs at the slower of the node's NVLink/PCIe and its network links; of its hops, one
+per node crosses the network and the others stay within a node, each at its own link's latency
+(:func:`spanning_ring`). NCCL's tree and NVLS algorithms beat the ring at some sizes and scales: this model is
 conservative there.
 """
 
@@ -57,6 +58,7 @@ __all__ = [
     "hardware_from_file",
     "ring_collectives",
     "run",
+    "spanning_ring",
 ]
 
 GB = 1e9
@@ -150,9 +152,9 @@ class Hardware:
                 f"hardware {self.name!r} is one machine of {self.gpus_per_node} GPUs; world size {world_size} needs "
                 f"{nodes} machines and no network is described for it (use --hardware-profile with measured figures)"
             )
-        link = self.intra
-        if nodes > 1 and self.inter is not None and self.inter.bus_bytes_per_second < link.bus_bytes_per_second:
-            link = self.inter
+        link = (
+            self.intra if nodes == 1 or self.inter is None else spanning_ring(self.intra, self.inter, world_size, nodes)
+        )
         half = precision.startswith(("bf16", "16"))
         flops = (self.half_flops * MATMUL_EFFICIENCY_HALF) if half else (self.fp32_flops * MATMUL_EFFICIENCY_FP32)
         bandwidth = self.memory_bytes_per_second * MEMORY_EFFICIENCY
@@ -164,7 +166,11 @@ class Hardware:
             memory_op_seconds=MEMORY_OP_SECONDS,
             memory_bytes_per_second=bandwidth,
         )
-        where = self.intra.name if nodes == 1 else f"{nodes} nodes: {self.intra.name}; between nodes {link.name}"
+        where = (
+            self.intra.name
+            if nodes == 1 or self.inter is None
+            else f"{nodes} nodes: {self.intra.name}; between nodes {self.inter.name}"
+        )
         return HardwareFigures(
             name=self.name,
             device=f"cuda ({self.gpu}, estimated from built-in figures)",
@@ -199,6 +205,19 @@ class HardwareFigures:
     copy_bytes_per_second: float
     collectives: dict[str, CollectiveFit]
     description: str
+
+
+def spanning_ring(intra: Link, inter: Link, world_size: int, nodes: int) -> Link:
+    """The link a ring of ``world_size`` GPUs over ``nodes`` nodes behaves as (see [Note: the collective model]): the
+    slower link's bus bandwidth, and per hop the average latency of its ``world_size - nodes`` hops within nodes and
+    ``nodes`` hops between them."""
+    hops = max(world_size - 1, 1)
+    hop = ((world_size - nodes) * intra.hop_seconds + nodes * inter.hop_seconds) / hops
+    return Link(
+        f"{intra.name} within nodes, {inter.name} between them",
+        min(intra.bus_bytes_per_second, inter.bus_bytes_per_second),
+        hop,
+    )
 
 
 def ring_collectives(world_size: int, link: Link) -> dict[str, CollectiveFit]:
