@@ -41,6 +41,7 @@ from lightning_osdp.cli.model import (
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
 from lightning_osdp.cost_model import Prediction, predict
+from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
@@ -102,6 +103,9 @@ class StrategyFigures:
 def _precision_plugin(precision: str) -> Any:
     from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
+    if precision == "bf16-fsdp":
+        # Lightning's bf16-mixed (autocast) under FSDP2's policy: see OSDPStrategy(mixed_precision=...).
+        return MixedPrecision("bf16-mixed", "cpu")
     if precision.endswith("-mixed"):
         # The autocast dtype is what matters for the profile; device "cpu": the fake tensors live there.
         return MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
@@ -243,6 +247,7 @@ def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
                     optimizer=run.optimizer,
                     step_context=plugin.train_step_context,
                     batch_source=run.batch.description,
+                    mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
                 )
             )
     return BatchScaledProfile(profiles[0], run.batch_size, profiles[1], 2 * run.batch_size)

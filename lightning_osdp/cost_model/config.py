@@ -163,6 +163,8 @@ class CostModelConfig:
             optimizer_temporaries=float(temporaries),
             step_overhead_seconds=constant + framework,
             host_overlap=float(host_overlap),
+            param_itemsize=_itemsize(profile, "param_dtype"),
+            reduce_itemsize=_itemsize(profile, "reduce_dtype"),
             ddp_bucket_bytes=self.ddp_bucket_bytes,
             release_all_gather_after_forward=(
                 releases_all_gather_after_forward("cpu" if on_cpu else "cuda")
@@ -190,6 +192,23 @@ class ResolvedConfig:
     ddp_bucket_bytes: int
     release_all_gather_after_forward: bool
     host_overlap: float = 0.0
+    #: bytes per element that sharded units gather and compute in, and reduce in, under the profile's
+    #: mixed-precision policy (``None``: the parameters' own; see ``units.py`` [Note: bytes per dtype under FSDP2's
+    #: mixed precision])
+    param_itemsize: int | None = None
+    reduce_itemsize: int | None = None
+
+
+def _itemsize(profile: ModelProfile, key: str) -> int | None:
+    name = (profile.mixed_precision or {}).get(key)
+    if not name:
+        return None
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"the profile's mixed_precision names an unknown dtype {key}={name!r}")
+    return dtype.itemsize
 
 
 def _device_copy_rate(profile: ModelProfile) -> float:

@@ -128,7 +128,6 @@ class Prediction:
             "compute_seconds": self.compute_seconds,
             "communication_seconds": self.communication_seconds,
             "exposed_seconds": self.exposed_seconds,
-            "step_parts": self.step_parts,
             "world_size": self.world_size,
         }
 

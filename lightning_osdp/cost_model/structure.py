@@ -87,7 +87,18 @@ class ModelInfo:
             self.order.append(name)
             stack.extend(reversed(self.children[name]))
         self.pos = {name: i for i, name in enumerate(self.order)}
-        self.params: dict[str, list[ParamSpec]] = {n: module_params(mp) for n, mp in profile.modules.items()}
+        # An embedding tied to an output Linear has its weight cast by autocast there (units.py [Note: bytes per dtype
+        # under FSDP2's mixed precision]).
+        tied_names = {n for group in profile.tied for n in group}
+        self.params: dict[str, list[ParamSpec]] = {
+            n: module_params(
+                mp,
+                compute_itemsize=config.param_itemsize,
+                reduce_itemsize=config.reduce_itemsize,
+                cast_by_autocast=True if n in tied_names else None,
+            )
+            for n, mp in profile.modules.items()
+        }
         self.optim_tensor = {n: float(mp.optim_state_bytes) for n, mp in profile.modules.items()}
         self.optim_scalar = {n: float(getattr(mp, "optim_scalar_bytes", 0) or 0) for n, mp in profile.modules.items()}
         self.leaves = [n for n in self.order if not self.children[n]]
