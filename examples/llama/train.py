@@ -21,7 +21,6 @@ import lightning_osdp  # registers strategy="osdp" with Lightning
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt"))
 
 from llama import LlamaModule
-
 from stdlib_text import StdlibTextDataModule
 
 __all__ = ["LlamaCLI", "main"]

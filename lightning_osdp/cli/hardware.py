@@ -108,6 +108,8 @@ PCIE4 = Link("PCIe 4.0 x16", 10 * GB, 3e-6)
 # bandwidth: 8 x 200 Gb/s HDR InfiniBand (DGX A100) = 200 GB/s, 8 x 400 Gb/s NDR (DGX H100) = 400 GB/s, ~90% used.
 INFINIBAND_8X_HDR = Link("8 x 200 Gb/s HDR InfiniBand per node", 180 * GB, 5e-6)
 INFINIBAND_8X_NDR = Link("8 x 400 Gb/s NDR InfiniBand per node", 360 * GB, 5e-6)
+# Meta's Grand Teton hosts (torchtitan's H100 figures): a 400 Gb/s RDMA (RoCE) network per GPU, the same bandwidth.
+ROCE_8X_400G = Link("8 x 400 Gb/s RDMA (RoCE) per node", 360 * GB, 5e-6)
 # Cloud PCIe servers (AWS g5/g6.48xlarge) have one 100 Gb/s network; NCCL over TCP sockets uses part of it.
 ETHERNET_100G = Link("100 Gb/s Ethernet (NCCL over sockets)", 9 * GB, 30e-6)
 
@@ -285,6 +287,15 @@ HARDWARE: dict[str, Hardware] = {
             memory_gib=80, half_tflops=989, fp32_tflops=67, dram_gb_per_s=3350,
             intra=NVLINK4_NVSWITCH, inter=INFINIBAND_8X_NDR,
             source="NVIDIA H100 data sheet (SXM5: BF16 989 TFLOPS dense, FP32 67, HBM3 3.35 TB/s)",
+        ),
+        _gpu(
+            "h100-sxm5-96g", "NVIDIA H100 96GB HBM2e (SXM5, 500 W)",
+            memory_gib=94, half_tflops=989, fp32_tflops=67, dram_gb_per_s=2400,
+            intra=NVLINK4_NVSWITCH, inter=ROCE_8X_400G,
+            source="the H100 of torchtitan's Llama 3.1 figures (docs/performance.md: Grand Teton hosts, 8 H100s "
+            "fully connected with NVLink, 96 GB HBM2e at 2.4 TB/s, 500 W power limit, 400 Gb/s RDMA per GPU); the "
+            "GH100 SXM5 die's dense peaks (H100 data sheet: BF16 989 TFLOPS, FP32 67) at full clocks, not derated "
+            "for the 500 W limit; 94 GiB usable, as torchtitan's 405B report gives these cards' memory",
         ),
         _gpu(
             "h200-sxm", "NVIDIA H200 (SXM)",

@@ -219,12 +219,13 @@ def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
         # The copy-out runs on the compute stream; the all-gather copy-in and the reduce-scatter copy-in run on
         # FSDP2's side streams and hide, after the collectives, in what compute is left (config.py [Note: the
         # target's figures]; on CPU nothing overlaps).
-        copies = gathers * b.gathered / copy
+        copies = gathers * (b.params + b.gathered) / copy
         side = gathers * b.params / copy
         if b.trainable:
             comm += collective_seconds(profile, "reduce_scatter", b.reduce_input, ws) + sync
+            copies += b.reduce_input / copy
             side += b.reduce_input / copy
-        copies += max(0.0, side - max(0.0, cfg.overlap * compute - comm))
+        copies -= min(side, max(0.0, cfg.overlap * compute - comm))
     else:
         # DDP: the unit's gradients share buckets with other no_shard units' and are all-reduced a bucket at a
         # time; the call's latency (and the ranks' synchronisation) is paid once per bucket, so a unit pays the

@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "llama"))
 
 from clean_exit import finish
-from llama import LlamaModule
 
 from lightning_osdp import OSDPStrategy, Plan
+
+from llama import LlamaModule
 
 POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 SHAPE = {"vocab_size": 64, "context_length": 16, "dim": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2}
