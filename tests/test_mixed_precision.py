@@ -85,7 +85,7 @@ def test_lightning_cli_yaml_accepts_the_policy_by_name(tmp_path: Path) -> None:
 
 
 # ================================================================================================ 2 processes
-CASES = ["fsdp2", "full", "ddp", "replicated", "mixed"]
+CASES = ["fsdp2", "full", "ddp", "replicated", "mixed", "memory"]
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +155,21 @@ def test_a_mixed_plan_gathers_its_sharded_units_in_bf16_and_trains_as_both_refer
     references = _mean_rel(ddp, fsdp2)
     assert _mean_rel(mixed["state"], fsdp2) <= 1.5 * references
     assert _mean_rel(mixed["state"], ddp) <= 1.5 * references
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_predicted_peaks_hold_under_both_precisions_and_the_policy_saves_autocasts_copies(
+    runs: dict[str, list[dict[str, Any]]],
+) -> None:
+    """A 4-block Llama on 2 ranks under bf16-mixed, with and without the policy, all full_shard and half the blocks
+    replicated: the strategy's measured peak (max over ranks) against ``predict`` of a profile of the same step."""
+    rows = runs["memory"][0]
+    assert set(rows) == {"autocast full_shard", "autocast mixed", "bf16 full_shard", "bf16 mixed"}
+    for name, row in rows.items():
+        assert row["predicted"] == pytest.approx(row["measured"], rel=0.10), name
+    # The policy's sharded units keep no bf16 copy of their weights between forward and backward.
+    assert rows["bf16 full_shard"]["measured"] < 0.9 * rows["autocast full_shard"]["measured"]
 
 
 # ================================================================================================ the cost model

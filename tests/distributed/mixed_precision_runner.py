@@ -11,7 +11,9 @@ Cases (the Llama example at a small size, bf16 autocast throughout):
 * ``ddp``: Lightning's DDP with ``bf16-mixed``;
 * ``replicated``: ``OSDPStrategy(mixed_precision="bf16")`` with a plan replicating everything (no FSDP2 unit: the
   policy has nothing to cast);
-* ``mixed``: the policy with one block sharded and the rest replicated.
+* ``mixed``: the policy with one block sharded and the rest replicated;
+* ``memory``: a wider Llama under ``bf16-mixed`` with and without the policy, two plans each: the strategy's measured
+  peak (max over ranks) beside the cost model's prediction from a profile of the same step (``memory.rank0.pt``).
 """
 
 from __future__ import annotations
@@ -96,7 +98,65 @@ class Recorded(LlamaModule):
         return loss
 
 
+def memory(out: Path) -> None:
+    """Predicted against measured peaks under ``bf16-mixed``, with FSDP2's policy and without it."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_osdp.cost_model import predict
+    from lightning_osdp.profiling import profile, profile_with_policy
+
+    shape = {"vocab_size": 64, "context_length": 32, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2}
+    data = torch.randint(0, 64, (32, 33), generator=torch.Generator().manual_seed(0))
+    layers = [f"model.layers.{i}" for i in range(4)]
+    plans = {
+        "full_shard": Plan({"": "full_shard", **dict.fromkeys(layers, "full_shard")}),
+        "mixed": Plan(
+            {"": "no_shard", **dict.fromkeys(layers[:2], "no_shard"), **dict.fromkeys(layers[2:], "full_shard")}
+        ),
+    }
+
+    def model() -> LlamaModule:
+        L.seed_everything(0, verbose=False)
+        return LlamaModule(**shape, warmup_steps=1)
+
+    def autocast() -> Any:
+        return MixedPrecision("bf16-mixed", "cpu").train_step_context()
+
+    rows = {}
+    for policy in (None, "bf16"):
+        kwargs: dict[str, Any] = {"optimizer": torch.optim.AdamW, "step_context": autocast}
+        prof = (
+            profile(model(), data[:4], **kwargs)
+            if policy is None
+            else profile_with_policy(model(), data[:4], POLICY, **kwargs)
+        )
+        for name, plan in plans.items():
+            strategy = OSDPStrategy(plan=plan, memory_steps=3, mixed_precision=policy)
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=strategy,
+                precision="bf16-mixed",
+                max_steps=3,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
+            trainer.fit(model(), DataLoader(data, batch_size=4))
+            peak = torch.tensor([strategy.peak_memory_bytes], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            rows[f"{policy or 'autocast'} {name}"] = {
+                "predicted": predict(prof, plan, 2).peak_bytes,
+                "measured": int(peak),
+            }
+    torch.save(rows, out / f"memory.rank{dist.get_rank()}.pt")
+
+
 def run(case: str, out: Path) -> None:
+    if case == "memory":
+        memory(out)
+        return
     L.seed_everything(0, workers=True)
     model = Recorded(shard_in_configure_model=case == "fsdp2")
     strategy: Any
