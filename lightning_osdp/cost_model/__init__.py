@@ -42,6 +42,11 @@ The step is walked as a timeline of instants (``timeline.py``); the predicted pe
    callback, after the whole backward.
 5. **Optimizer step**: temporaries of the largest local parameter (single-tensor Adam: 2x).
 
+Under FSDP2's mixed precision (a profile whose ``mixed_precision`` is set, ``OSDPStrategy(mixed_precision=...)``),
+sharded units gather, all-gather and compute in the policy's ``param_dtype`` and reduce-scatter in its
+``reduce_dtype``, while shards, sharded gradients and optimizer state keep the stored dtype; replicated units keep
+autocast's compute-dtype copies of their weights (``units.py`` [Note: bytes per dtype under FSDP2's mixed precision]).
+
 Time
 ----
 ``step = compute + sum over units (exposed communication + copies + optimizer + overhead)``, where
