@@ -19,10 +19,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 from lightning_osdp.budget import parse_memory_budget
 from lightning_osdp.plan import MODES, Plan, PlanError
 
-__all__ = ["DEFAULT_TIMEOUT", "START_METHODS", "default_timeout", "planning_wait"]
+__all__ = ["BF16_POLICY", "DEFAULT_TIMEOUT", "START_METHODS", "default_timeout", "planning_wait"]
 
 #: The process-group timeout when none is given (see [Note: the default timeout]).
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -57,6 +60,48 @@ def planning_wait(solver_time_limit: float) -> timedelta:
 def default_timeout(solver_time_limit: float) -> timedelta:
     """The timeout when none is given: :data:`DEFAULT_TIMEOUT`, or :func:`planning_wait` when that is longer."""
     return max(DEFAULT_TIMEOUT, planning_wait(solver_time_limit))
+
+
+#: ``OSDPStrategy(mixed_precision="bf16")``: FSDP2 gathers parameters and computes in bf16, and reduce-scatters
+#: gradients in fp32, as torchtitan trains (its defaults ``mixed_precision_param = "bfloat16"``,
+#: ``mixed_precision_reduce = "float32"``).
+BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+# The Lightning precision each policy's parameter dtype runs with: autocast in that dtype is what makes the replicated
+# (DDP) units compute in it (see OSDPStrategy's [Note: mixed precision]).
+_AUTOCAST_FOR = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+
+
+def check_mixed_precision(value: Any) -> MixedPrecisionPolicy | None:
+    """``None``, ``"bf16"`` (:data:`BF16_POLICY`) or a ``torch.distributed.fsdp.MixedPrecisionPolicy`` whose
+    ``param_dtype`` is bf16, fp16 or unset."""
+    accepted = "None, 'bf16' or a torch.distributed.fsdp.MixedPrecisionPolicy"
+    if value is None or value == "bf16":
+        return None if value is None else BF16_POLICY
+    if isinstance(value, MixedPrecisionPolicy):
+        if value.param_dtype is not None and value.param_dtype not in _AUTOCAST_FOR:
+            raise ValueError(
+                f"OSDPStrategy(mixed_precision=...): a policy's param_dtype must be torch.bfloat16, torch.float16 or "
+                f"None, got {value.param_dtype}"
+            )
+        return value
+    if isinstance(value, str):
+        raise ValueError(f"OSDPStrategy(mixed_precision=...) takes {accepted}, got {value!r}")
+    raise TypeError(f"OSDPStrategy(mixed_precision=...) takes {accepted}, got {type(value).__name__}")
+
+
+def check_precision_for_policy(policy: MixedPrecisionPolicy | None, precision: str) -> None:
+    """The Lightning precision a policy runs with: ``bf16-mixed`` for a bf16 ``param_dtype``, ``16-mixed`` for fp16
+    (autocast makes the replicated units compute in it), anything for a policy that casts no parameter."""
+    if policy is None or policy.param_dtype is None:
+        return
+    wanted = _AUTOCAST_FOR[policy.param_dtype]
+    if precision != wanted:
+        raise ValueError(
+            f"OSDPStrategy(mixed_precision=...) with param_dtype={policy.param_dtype} needs "
+            f"Trainer(precision={wanted!r}), got precision={precision!r}: the replicated (DDP) units compute in "
+            f"{policy.param_dtype} under Lightning's autocast (see docs/configuration.md, mixed_precision)"
+        )
 
 
 def check_memory_budget(value: Any) -> int | None:

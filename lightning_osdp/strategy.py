@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -64,6 +65,28 @@ _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _ROOT_ATTRIBUTE = "_osdp_root"
 # Step 0 builds the optimizer state and runs lazy init: the check uses the median of the steps after it.
 _CHECK_AFTER_STEPS = 4
+
+# [Note: mixed precision]
+# Lightning's `bf16-mixed` is autocast over fp32 parameters: a sharded unit gathers fp32, and autocast then makes a
+# bf16 copy of every weight a matmul uses and keeps it for backward: half the model's parameter bytes, unsharded,
+# on every rank. Large FSDP2 runs instead let FSDP2 gather in bf16 (`MixedPrecisionPolicy(param_dtype=bf16,
+# reduce_dtype=fp32)`, torchtitan's default): half the all-gather bytes, and what autograd keeps of a weight is the
+# unsharded parameter FSDP2 frees at reshard. `mixed_precision` offers that policy for the sharded units.
+# * Spelling: `"bf16"` names the one policy large runs use, and is what a LightningCLI YAML can say
+#   (`mixed_precision: bf16`); a `MixedPrecisionPolicy` object (fp16, a bf16 reduction, `output_dtype`) is accepted
+#   from Python, as FSDP2 takes it. Not a new `Trainer(precision=...)` value: Lightning owns that vocabulary, and the
+#   policy is a property of how the strategy shards, as `FSDPStrategy(mixed_precision=...)` is for FSDP1.
+# * Replicated units: they run on DDP, which has no public parameter cast (its `_MixedPrecision` is private,
+#   experimental, and needs CUDA events). The policy therefore goes with Lightning's autocast of the same dtype
+#   (`bf16-mixed`), which makes the replicated units compute in bf16 while their parameters, gradients and buckets
+#   stay fp32 and are all-reduced in fp32, the policy's reduce dtype. Lightning's own `FSDPStrategy` pairs FSDP's
+#   parameter cast with autocast the same way. For matmul weights the numbers are those of plain `bf16-mixed`
+#   (autocast rounds fp32 to bf16 as FSDP2's cast does); a model that runs its norms and its loss in fp32 explicitly
+#   (`examples/llama`) steps as torchtitan's does.
+# * The cost model follows: the step is profiled with the parameters in bf16 (what the sharded units compute with),
+#   sharded units gather and all-gather bf16 and reduce-scatter fp32, and replicated units keep autocast's bf16 copies
+#   of their weights (`lightning_osdp/cost_model/units.py` [Note: bytes per dtype under FSDP2's mixed precision]).
+# * The default stays `None`: Lightning's plugins alone, the behaviour that matches Lightning's DDP bit for bit.
 
 
 class OSDPStrategy(ParallelStrategy):
@@ -107,6 +130,11 @@ class OSDPStrategy(ParallelStrategy):
         state_dict_type: ``"sharded"`` (default): checkpoints are directories that every rank writes its shards
             into, in parallel (torch.distributed.checkpoint); ``"full"``: one consolidated file written by rank 0.
             Either loads under any plan and world size (see ``docs/checkpointing.md``).
+        mixed_precision: ``None`` (default: Lightning's precision plugin alone), ``"bf16"`` (FSDP2's
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: sharded units gather
+            their parameters in bf16 and reduce-scatter gradients in fp32, as torchtitan trains) or a
+            ``torch.distributed.fsdp.MixedPrecisionPolicy``. A policy that casts parameters goes with the autocast
+            precision of its dtype, ``Trainer(precision="bf16-mixed")`` for bf16; see [Note: mixed precision].
 
     Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
     wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
@@ -135,7 +163,10 @@ class OSDPStrategy(ParallelStrategy):
         plan_out: str | os.PathLike[str] | None = None,
         solver_time_limit: float = 10.0,
         memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
+        mixed_precision: str | MixedPrecisionPolicy | None = None,
     ) -> None:
+        # Before the base class assigns `precision_plugin`, whose setter checks the pair.
+        self._mp_policy = options.check_mixed_precision(mixed_precision)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -189,6 +220,11 @@ class OSDPStrategy(ParallelStrategy):
     def activation_checkpointing(self) -> bool | Literal["auto"]:
         """Whether the planner may recompute units' activations: ``"auto"``, ``True`` or ``False``."""
         return self._activation_checkpointing
+
+    @property
+    def mixed_precision(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's mixed-precision policy of the sharded units (``None``: Lightning's precision plugin alone)."""
+        return self._mp_policy
 
     @property
     def timeout(self) -> timedelta:
@@ -300,6 +336,9 @@ class OSDPStrategy(ParallelStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # Lightning's plugins are replaced by their OSDP subclasses (clipping over mixed gradients, a sharded grad
         # scaler), as Lightning's FSDP strategy insists on its own: see `lightning_osdp.precision`.
+        if precision_plugin is not None:
+            # Lightning assigns the Trainer's plugin while the Trainer is built: a wrong pair fails there.
+            options.check_precision_for_policy(self._mp_policy, str(getattr(precision_plugin, "precision", "")))
         self._precision_plugin = osdp_precision(precision_plugin) if precision_plugin is not None else None
 
     @property
@@ -369,7 +408,7 @@ class OSDPStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model.to(self.root_device)
             plan = self._resolve_plan(trainer)
-            self._root = apply_plan(module, plan, mesh=self.device_mesh)
+            self._root = apply_plan(module, plan, mesh=self.device_mesh, mp_policy=self._mp_policy)
             # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
             object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
             self.model = self._root
@@ -412,21 +451,25 @@ class OSDPStrategy(ParallelStrategy):
     def _profile_and_solve(self, trainer: pl.Trainer) -> Plan:
         from lightning_osdp.cost_model import predict
         from lightning_osdp.profiling import profile as profile_model
+        from lightning_osdp.profiling import profile_with_policy
         from lightning_osdp.solver import format_plan
 
         assert self.lightning_module is not None and self._memory_budget is not None
         batch, source, step = self._representative_batch(trainer)
-        # A collective: every rank profiles its replica, rank 0's figures are broadcast so all plan alike.
-        profile = profile_model(
-            self.lightning_module,
-            batch,
-            device=self.root_device,
-            step=step,
-            batch_source=source,
-            step_context=self.precision_plugin.train_step_context,
+        kwargs: dict[str, Any] = {
+            "device": self.root_device,
+            "step": step,
+            "batch_source": source,
+            "step_context": self.precision_plugin.train_step_context,
             # The ranks of this machine share its memory: measure the model in place only if a copy fits its share.
-            available_memory=device_memory_capacity(self.root_device, self.num_processes),
-        )
+            "available_memory": device_memory_capacity(self.root_device, self.num_processes),
+        }
+        # A collective: every rank profiles its replica, rank 0's figures are broadcast so all plan alike.
+        if self._mp_policy is not None:
+            # As the policy runs the step: parameters in its dtype (lightning_osdp/profiling/mixed_precision.py).
+            profile = profile_with_policy(self.lightning_module, batch, self._mp_policy, **kwargs)
+        else:
+            profile = profile_model(self.lightning_module, batch, **kwargs)
         self._profile = profile
         plan = from_rank_zero(lambda: self.plan_for(profile), what="planning")
         # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.

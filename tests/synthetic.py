@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
 
-__all__ = ["gloo_like_collectives", "gpt_profile"]
+__all__ = ["gloo_like_collectives", "gpt_profile", "one_linear_on"]
 
 
 def gloo_like_collectives(world_size: int = 2) -> dict[str, CollectiveFit]:
@@ -155,3 +155,40 @@ def _numel(shape: list[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def one_linear_on(device: str, *, fwd: float = 3e-3, bwd: float = 6e-3) -> ModelProfile:
+    """A root holding one Linear(4 -> 3) (weight (3, 4) and bias (3,), fp32: 60 bytes), AdamW, on ``device``, with
+    a copy bandwidth of 100 kB/s (so that copies of tens of bytes take a visible fraction of a millisecond)."""
+    root = ModuleProfile(name="", type="Net", parent=None, children=["a"], output_bytes=4)
+    a = ModuleProfile(
+        name="a",
+        type="Linear",
+        parent="",
+        param_count=15,
+        param_bytes=60,
+        param_shapes=[[3, 4], [3]],
+        trainable_param_bytes=60,
+        grad_bytes=60,
+        optim_state_bytes=120,
+        optim_scalar_bytes=8,
+        activation_bytes=100,
+        output_bytes=60,
+        fwd_seconds=fwd,
+        bwd_seconds=bwd,
+    )
+    return ModelProfile(
+        modules={"": root, "a": a},
+        collectives={
+            "all_gather": CollectiveFit("all_gather", 2, 1e-3, 1e6),
+            "reduce_scatter": CollectiveFit("reduce_scatter", 2, 2e-3, 5e5),
+            "all_reduce": CollectiveFit("all_reduce", 2, 5e-4, 2e6),
+        },
+        world_size=2,
+        device=device,
+        optimizer="AdamW",
+        optim_state_factor=2.0,
+        step_overhead_seconds=10e-3,
+        optimizer_step_seconds=6e-3,
+        copy_bytes_per_second=1e5,
+    )

@@ -22,6 +22,7 @@ from lightning_osdp.profiling import (
     format_profile,
     profile,
 )
+from lightning_osdp.profiling.tracer import cpu_attention_flop_formulas
 
 from models import TinyGPT, loaders
 
@@ -257,7 +258,8 @@ def test_forward_flops_add_up_to_flop_counter_mode() -> None:
     batch = tiny_gpt_batch()
     result = profile(model, batch)
     model.log = lambda *a, **k: None  # type: ignore[method-assign]
-    with FlopCounterMode(display=False) as counter:
+    # FlopCounterMode's formulas, with the CPU's fused attention counted as the GPU's flash attention is.
+    with FlopCounterMode(display=False, custom_mapping=cpu_attention_flop_formulas()) as counter:
         model.training_step(batch, 0)
     assert sum(m.fwd_flops for m in result.modules.values()) == counter.get_total_flops()
 

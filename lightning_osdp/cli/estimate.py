@@ -26,10 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.hardware import HardwareFigures
-from lightning_osdp.profiling import ModelProfile, ModuleProfile, ProfilingError, profile
+from lightning_osdp.profiling import ModelProfile, ModuleProfile, ProfilingError, profile, profile_with_policy
 
 __all__ = ["BatchScaledProfile", "estimated_profile", "largest_batch"]
 
@@ -48,26 +49,30 @@ def estimated_profile(
     optimizer: Any = None,
     step_context: Callable[[], Any] | None = None,
     batch_source: str = "argument",
+    mixed_precision: MixedPrecisionPolicy | None = None,
 ) -> ModelProfile:
     """Profile ``model`` (on the meta device) on ``batch`` as if it ran on the hardware of ``figures`` (see
-    [Note: rates of another device]).
+    [Note: rates of another device]), under FSDP2's ``mixed_precision`` policy when given (see
+    ``lightning_osdp/profiling/mixed_precision.py``).
 
     Raises:
         CLIError: the model's step cannot run on fake tensors (the profiler's message).
     """
+    kwargs: dict[str, Any] = {
+        "mode": "estimated",
+        "step": step,
+        "optimizer": optimizer,
+        "step_context": step_context,
+        "collectives": figures.collectives,
+        "batch_source": batch_source,
+        "rates": figures.rates,
+        "copy_bytes_per_second": figures.copy_bytes_per_second,
+    }
     try:
-        result = profile(
-            model,
-            batch,
-            mode="estimated",
-            step=step,
-            optimizer=optimizer,
-            step_context=step_context,
-            collectives=figures.collectives,
-            batch_source=batch_source,
-            rates=figures.rates,
-            copy_bytes_per_second=figures.copy_bytes_per_second,
-        )
+        if mixed_precision is not None:
+            result = profile_with_policy(model, batch, mixed_precision, **kwargs)
+        else:
+            result = profile(model, batch, **kwargs)
     except ProfilingError as err:
         raise CLIError(str(err).replace("\n", " ")) from err
     result.device = figures.device

@@ -25,8 +25,9 @@ constant in ``N``). So with ``busbw`` the link's bus bandwidth::
     all_gather, reduce_scatter:  t = launch + (N - 1) * hop     + (N - 1) / N * S / busbw
     all_reduce:                  t = launch + 2 * (N - 1) * hop + 2 * (N - 1) / N * S / busbw
 
-A ring spanning several nodes runs at the slower of the node's NVLink/PCIe and its network links, and pays the
-slower link's hop latency. NCCL's tree and NVLS algorithms beat the ring at some sizes and scales: this model is
+A ring spanning several nodes runs at the slower of the node's NVLink/PCIe and its network links; of its hops, one
+per node crosses the network and the others stay within a node, each at its own link's latency
+(:func:`spanning_ring`). NCCL's tree and NVLS algorithms beat the ring at some sizes and scales: this model is
 conservative there.
 """
 
@@ -57,6 +58,7 @@ __all__ = [
     "hardware_from_file",
     "ring_collectives",
     "run",
+    "spanning_ring",
 ]
 
 GB = 1e9
@@ -106,6 +108,8 @@ PCIE4 = Link("PCIe 4.0 x16", 10 * GB, 3e-6)
 # bandwidth: 8 x 200 Gb/s HDR InfiniBand (DGX A100) = 200 GB/s, 8 x 400 Gb/s NDR (DGX H100) = 400 GB/s, ~90% used.
 INFINIBAND_8X_HDR = Link("8 x 200 Gb/s HDR InfiniBand per node", 180 * GB, 5e-6)
 INFINIBAND_8X_NDR = Link("8 x 400 Gb/s NDR InfiniBand per node", 360 * GB, 5e-6)
+# Meta's Grand Teton hosts (torchtitan's H100 figures): a 400 Gb/s RDMA (RoCE) network per GPU, the same bandwidth.
+ROCE_8X_400G = Link("8 x 400 Gb/s RDMA (RoCE) per node", 360 * GB, 5e-6)
 # Cloud PCIe servers (AWS g5/g6.48xlarge) have one 100 Gb/s network; NCCL over TCP sockets uses part of it.
 ETHERNET_100G = Link("100 Gb/s Ethernet (NCCL over sockets)", 9 * GB, 30e-6)
 
@@ -150,9 +154,9 @@ class Hardware:
                 f"hardware {self.name!r} is one machine of {self.gpus_per_node} GPUs; world size {world_size} needs "
                 f"{nodes} machines and no network is described for it (use --hardware-profile with measured figures)"
             )
-        link = self.intra
-        if nodes > 1 and self.inter is not None and self.inter.bus_bytes_per_second < link.bus_bytes_per_second:
-            link = self.inter
+        link = (
+            self.intra if nodes == 1 or self.inter is None else spanning_ring(self.intra, self.inter, world_size, nodes)
+        )
         half = precision.startswith(("bf16", "16"))
         flops = (self.half_flops * MATMUL_EFFICIENCY_HALF) if half else (self.fp32_flops * MATMUL_EFFICIENCY_FP32)
         bandwidth = self.memory_bytes_per_second * MEMORY_EFFICIENCY
@@ -164,7 +168,11 @@ class Hardware:
             memory_op_seconds=MEMORY_OP_SECONDS,
             memory_bytes_per_second=bandwidth,
         )
-        where = self.intra.name if nodes == 1 else f"{nodes} nodes: {self.intra.name}; between nodes {link.name}"
+        where = (
+            self.intra.name
+            if nodes == 1 or self.inter is None
+            else f"{nodes} nodes: {self.intra.name}; between nodes {self.inter.name}"
+        )
         return HardwareFigures(
             name=self.name,
             device=f"cuda ({self.gpu}, estimated from built-in figures)",
@@ -199,6 +207,19 @@ class HardwareFigures:
     copy_bytes_per_second: float
     collectives: dict[str, CollectiveFit]
     description: str
+
+
+def spanning_ring(intra: Link, inter: Link, world_size: int, nodes: int) -> Link:
+    """The link a ring of ``world_size`` GPUs over ``nodes`` nodes behaves as (see [Note: the collective model]): the
+    slower link's bus bandwidth, and per hop the average latency of its ``world_size - nodes`` hops within nodes and
+    ``nodes`` hops between them."""
+    hops = max(world_size - 1, 1)
+    hop = ((world_size - nodes) * intra.hop_seconds + nodes * inter.hop_seconds) / hops
+    return Link(
+        f"{intra.name} within nodes, {inter.name} between them",
+        min(intra.bus_bytes_per_second, inter.bus_bytes_per_second),
+        hop,
+    )
 
 
 def ring_collectives(world_size: int, link: Link) -> dict[str, CollectiveFit]:
@@ -266,6 +287,15 @@ HARDWARE: dict[str, Hardware] = {
             memory_gib=80, half_tflops=989, fp32_tflops=67, dram_gb_per_s=3350,
             intra=NVLINK4_NVSWITCH, inter=INFINIBAND_8X_NDR,
             source="NVIDIA H100 data sheet (SXM5: BF16 989 TFLOPS dense, FP32 67, HBM3 3.35 TB/s)",
+        ),
+        _gpu(
+            "h100-sxm5-96g", "NVIDIA H100 96GB HBM2e (SXM5, 500 W)",
+            memory_gib=94, half_tflops=989, fp32_tflops=67, dram_gb_per_s=2400,
+            intra=NVLINK4_NVSWITCH, inter=ROCE_8X_400G,
+            source="the H100 of torchtitan's Llama 3.1 figures (docs/performance.md: Grand Teton hosts, 8 H100s "
+            "fully connected with NVLink, 96 GB HBM2e at 2.4 TB/s, 500 W power limit, 400 Gb/s RDMA per GPU); the "
+            "GH100 SXM5 die's dense peaks (H100 data sheet: BF16 989 TFLOPS, FP32 67) at full clocks, not derated "
+            "for the 500 W limit; 94 GiB usable, as torchtitan's 405B report gives these cards' memory",
         ),
         _gpu(
             "h200-sxm", "NVIDIA H200 (SXM)",

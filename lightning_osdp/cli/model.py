@@ -45,7 +45,8 @@ class RunConfig:
         model: the model class path (``class_path``), or the class found in the config's CLI script.
         init_args: the model's ``__init__`` arguments.
         batch_size: the data section's ``batch_size`` (per device, as Lightning's data loaders take it).
-        precision: ``trainer.precision``.
+        precision: ``trainer.precision`` (``"bf16-fsdp"``: ``bf16-mixed`` with the strategy's
+            ``mixed_precision: bf16``).
         world_size: ``trainer.devices`` times ``trainer.num_nodes``, when both are numbers.
         memory_budget, memory_headroom, modes, max_split: the OSDP strategy's init args.
         sources: the config files read.
@@ -151,6 +152,8 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
             config.modes = list(strategy_args["modes"])
         if isinstance(strategy_args.get("max_split"), int):
             config.max_split = strategy_args["max_split"]
+        if strategy_args.get("mixed_precision") == "bf16" and config.precision in ("bf16-mixed", "bf16"):
+            config.precision = "bf16-fsdp"  # the dry run's name for bf16-mixed under FSDP2's policy
     return config
 
 

@@ -30,13 +30,15 @@ __all__ = [
 ]
 
 #: Lightning's precision flags the dry run accepts, and the flag each alias stands for; 64-bit has no tensor-core
-#: rate worth modelling.
+#: rate worth modelling. ``bf16-fsdp`` is ``Trainer(precision="bf16-mixed")`` with
+#: ``OSDPStrategy(mixed_precision="bf16")``: sharded units gather bf16 and reduce fp32 (FSDP2's policy).
 PRECISIONS: dict[str, str] = {
     "32": "32-true",
     "32-true": "32-true",
     "bf16": "bf16-mixed",
     "bf16-mixed": "bf16-mixed",
     "bf16-true": "bf16-true",
+    "bf16-fsdp": "bf16-fsdp",
     "16": "16-mixed",
     "16-mixed": "16-mixed",
     "16-true": "16-true",
@@ -101,7 +103,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     model.add_argument("--batch-size", type=int, metavar="N", help="per-device batch size")
     model.add_argument(
-        "--precision", choices=sorted(PRECISIONS), help="Lightning precision (default: config, else 32-true)"
+        "--precision",
+        choices=sorted(PRECISIONS),
+        help="Lightning precision (default: config, else 32-true); bf16-fsdp: bf16-mixed with "
+        "OSDPStrategy(mixed_precision='bf16'), FSDP2 gathering bf16 and reducing fp32",
     )
     model.add_argument(
         "--optimizer",

@@ -41,6 +41,7 @@ from lightning_osdp.cli.model import (
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
 from lightning_osdp.cost_model import Prediction, predict
+from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
@@ -111,6 +112,9 @@ class StrategyFigures:
 def _precision_plugin(precision: str) -> Any:
     from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
+    if precision == "bf16-fsdp":
+        # Lightning's bf16-mixed (autocast) under FSDP2's policy: see OSDPStrategy(mixed_precision=...).
+        return MixedPrecision("bf16-mixed", "cpu")
     if precision.endswith("-mixed"):
         # The autocast dtype is what matters for the profile; device "cpu": the fake tensors live there.
         return MixedPrecision(precision, "cpu")  # type: ignore[arg-type]
@@ -252,6 +256,7 @@ def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
                     optimizer=run.optimizer,
                     step_context=plugin.train_step_context,
                     batch_source=run.batch.description,
+                    mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
                 )
             )
     return BatchScaledProfile(profiles[0], run.batch_size, profiles[1], 2 * run.batch_size)
@@ -367,6 +372,56 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
     return table
 
 
+#: The columns of the step-parts table: ``Prediction.step_parts`` keys and their headers.
+_PARTS: tuple[tuple[str, str], ...] = (
+    ("compute", "compute"),
+    ("exposed_communication", "exposed comm"),
+    ("copies", "copies"),
+    ("optimizer", "optimizer"),
+    ("overhead", "overhead"),
+)
+
+
+def _parts_table(run: DryRun, rows: Sequence[StrategyFigures], out: Output) -> None:
+    """What each strategy's step is made of, and the hardware figures each part comes from, so that a reader can
+    check every term against the hardware."""
+    table = []
+    for row in rows:
+        p = row.prediction
+        parts = p.step_parts
+        table.append(
+            [
+                row.name,
+                *(f"{parts[key] * 1e3:,.1f}" for key, _ in _PARTS),
+                f"{p.step_seconds * 1e3:,.1f}",
+                f"{p.communication_seconds * 1e3:,.1f}",
+            ]
+        )
+    rates, fits = run.figures.rates, run.figures.collectives
+    probe = 256 * 2**20
+    collective = ", ".join(
+        f"{op.replace('_', '-')} of 256 MiB {fits[op].seconds(probe) * 1e3:.2f} ms" for op in sorted(fits)
+    )
+    notes = [
+        f"compute: each operator's FLOPs at {rates.matmul_flops_per_second / 1e12:,.1f} TFLOPS ({rates.dtype}) and "
+        f"bytes at {rates.memory_bytes_per_second / 1e9:,.0f} GB/s, plus {rates.matmul_op_seconds * 1e6:.0f}/"
+        f"{rates.memory_op_seconds * 1e6:.0f} us per matmul/other kernel; exposed comm: collectives not hidden "
+        f"behind their units' compute ({collective}); the total is the last column.",
+        f"copies: FSDP2's copy-out after each all-gather, DDP's gradient copy into its buckets, and side-stream "
+        f"copies compute does not hide, at {run.figures.copy_bytes_per_second / 1e9:,.0f} GB/s; optimizer: its step "
+        "over each rank's local parameters (traced on the target's rates); overhead: the loss, the training loop, "
+        "and FSDP2's hooks where they outlast their units' compute (lightning_osdp/cost_model/config.py [Note: the "
+        "target's figures]).",
+    ]
+    out.table(
+        f"Step parts per device at batch {run.batch_size} (ms)",
+        ["strategy", *(h for _, h in _PARTS), "step", "all comm"],
+        table,
+        right=list(range(1, len(_PARTS) + 3)),
+        notes=notes,
+    )
+
+
 def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigures], out: Output) -> None:
     profile = scaled.at(run.batch_size)
     params = sum(m.param_count for m in profile.modules.values())
@@ -418,6 +473,8 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
         right=[2, 4, 5, 6, 7, 8],
         notes=notes,
     )
+    out.print("")
+    _parts_table(run, rows, out)
 
 
 def _save(run: DryRun, scaled: BatchScaledProfile, plan: Plan, path: str, out: Output) -> None:

@@ -42,6 +42,11 @@ The step is walked as a timeline of instants (``timeline.py``); the predicted pe
    callback, after the whole backward.
 5. **Optimizer step**: temporaries of the largest local parameter (single-tensor Adam: 2x).
 
+Under FSDP2's mixed precision (a profile whose ``mixed_precision`` is set, ``OSDPStrategy(mixed_precision=...)``),
+sharded units gather, all-gather and compute in the policy's ``param_dtype`` and reduce-scatter in its
+``reduce_dtype``, while shards, sharded gradients and optimizer state keep the stored dtype; replicated units keep
+autocast's compute-dtype copies of their weights (``units.py`` [Note: bytes per dtype under FSDP2's mixed precision]).
+
 Time
 ----
 ``step = compute + sum over units (exposed communication + copies + optimizer + overhead)``, where
@@ -59,14 +64,21 @@ Time
   ``overlap`` is 0 (gloo collectives block the calling thread; FSDP2's streams are no-ops), so every
   collective is exposed; on CUDA it is 1;
 * copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in) and DDP's copy of each
-  gradient into its bucket, at the copy bandwidth;
+  gradient into its bucket, at the copy bandwidth; on CUDA the copy-ins run on FSDP2's side streams and hide in the
+  compute the collectives leave;
 * the optimizer step is proportional to the unit's local trainable bytes (the profile's measured rate), plus, for
   sharded units, a DTensor-dispatch cost per parameter tensor (FSDP2's parameters are DTensors, DDP's are not);
 * overhead, for sharded units, is a fixed cost per unit and per parameter tensor (FSDP2's hooks, views and DTensor
   wrappers in every forward and backward), and per extra slice of a split Linear (a call, and its share of
-  ``torch.cat``).
+  ``torch.cat``);
+* host work (hooks, DTensor dispatch) adds on the CPU, where host and device are the same cores; on CUDA it costs
+  only what the device work it overlaps does not hide (``host_overlap``).
 
-The constants are in :class:`CostModelConfig`; ``config.py`` [Note: calibration] says how each was measured.
+``Prediction.step_parts`` splits the step into these parts (compute, exposed communication, copies, optimizer,
+overhead); ``osdp plan`` prints them.
+
+The constants are in :class:`CostModelConfig`; ``config.py`` [Note: calibration] says how each was measured on the
+development CPU, and [Note: the target's figures] where a GPU's come from.
 """
 
 from lightning_osdp.cost_model.config import CostModelConfig

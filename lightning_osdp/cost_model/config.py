@@ -28,10 +28,36 @@ __all__ = ["CostModelConfig", "ResolvedConfig"]
 #   wrapper) costs ~12-14 ms per step on top of the profiled step (a width-8 GPT under OSDPStrategy: 21-24 ms
 #   measured for 9.7 ms predicted without it, in every mode). The profile runs the step outside Lightning.
 # * Without a measured optimizer step: single-tensor AdamW at ~2.2 s per GB of parameters.
+#
+# [Note: the target's figures]
+# A profile of another device (``osdp plan``, or a strategy's run on GPUs) is predicted with that device's figures,
+# never with the constants above, which are this development CPU's. On CUDA (and any device that is not the CPU):
+# * Copies run at the profile's ``copy_bytes_per_second``: a dry run's is the target's DRAM bandwidth less its
+#   efficiency factor, halved (a copy reads and writes every byte; ``cli/hardware.py``); a run on the device measured
+#   it (``profiling/rates.py``). The CPU's 3 GB/s default was measured for FSDP2's copies on 2 shared CPU cores.
+# * FSDP2 copies a unit's shards into the all-gather input on its all-gather stream and the unsharded gradients
+#   into the reduce-scatter input on its reduce-scatter stream (``_fsdp_param_group.py``: ``all_gather_copy_in_stream``,
+#   ``reduce_scatter_stream``); only the all-gather copy-out runs on the compute stream (``wait_for_unshard``). So on
+#   CUDA only the copy-out is charged in full; the side-stream copies hide, with the collectives, behind compute
+#   (``overlap``). DDP copies each gradient into its bucket in its autograd hook, on the compute stream: charged in
+#   full. (It does so every step, bucket views or not: Lightning's ``zero_grad`` sets gradients to ``None``, and the
+#   reducer copies whenever a gradient is not already a view of its bucket; ``reducer.cpp``,
+#   ``mark_variable_ready_dense``.)
+# * The constants per unit, per parameter tensor and per optimizer tensor measure Python on the host (hooks, views,
+#   DTensor dispatch). CUDA kernels are asynchronous: the host enqueues work and runs ahead, so host work costs the
+#   step only where it takes longer than the device work it overlaps (``host_overlap``: a unit's hooks against its
+#   modules' compute, its optimizer dispatch against its optimizer kernels). The same constants are kept (a server
+#   CPU is not slower than the development machine's shared core), so a model small enough to be host-bound still
+#   pays them.
+# * Collectives are enqueued on NCCL's streams: no wait is charged per call (``collective_sync_seconds`` 0).
+# * The training loop around the step: 5 ms (not measured on CUDA; the loop is the same Python as on CPU, and the
+#   collectives behind ``sync_dist`` are NCCL's microsecond all-reduces).
 _DEFAULT_COPY_BYTES_PER_SECOND = 3e9
 _OPTIMIZER_SECONDS_PER_BYTE = {"Adam": 2.2e-9, "AdamW": 2.2e-9, "SGD": 0.8e-9}
 _OPTIMIZER_TEMPORARIES = {"Adam": 2.0, "AdamW": 2.0, "SGD": 0.0}
 _CPU_COLLECTIVE_SYNC_SECONDS = 2e-3
+# A device-to-device copy on a GPU whose profile records no copy bandwidth: half of an A100's 2 TB/s, less 20%.
+_DEFAULT_DEVICE_COPY_BYTES_PER_SECOND = 0.8e12
 # DDP's `bucket_cap_mb` default (25 MiB); its first bucket is smaller (1 MiB), which the model ignores.
 _DDP_BUCKET_BYTES = 25 * 2**20
 _CPU_FRAMEWORK_SECONDS = 12e-3
@@ -48,17 +74,22 @@ class CostModelConfig:
             collectives block the calling thread, and FSDP2's streams are no-ops there, so nothing overlaps) and
             1 on CUDA (all-gathers and reduce-scatters run on their own streams).
         copy_bytes_per_second: memory-copy bandwidth of FSDP2's own copies (all-gather copy-in/out,
-            reduce-scatter copy-in) and of DDP's gradient copy into its buckets.
+            reduce-scatter copy-in) and of DDP's gradient copy into its buckets. ``None``: 3 GB/s on CPU (see
+            [Note: calibration]); elsewhere the profile's ``copy_bytes_per_second`` (see [Note: the target's
+            figures]).
         optimizer_seconds_per_byte: optimizer-step time per byte of local trainable parameters (default: the
             profile's ``optimizer_step_seconds`` over its trainable bytes).
-        optimizer_seconds_per_tensor: extra optimizer-step time per parameter tensor: FSDP2's parameters are
+        optimizer_seconds_per_tensor: extra optimizer-step host time per parameter tensor: FSDP2's parameters are
             DTensors, and every optimizer op on one goes through DTensor dispatch.
         collective_sync_seconds: extra time of each blocking collective in training over the fitted time (the
             ranks do not enter a collective together). ``None``: 2 ms on CPU, 0 on CUDA (where collectives are
             asynchronous and overlap).
-        unit_overhead_seconds: fixed cost of one FSDP2 unit per step (its four hooks and their Python work).
-        tensor_overhead_seconds: cost per parameter tensor of a unit per step (FSDP2 rebuilds views and DTensor
+        unit_overhead_seconds: fixed host time of one FSDP2 unit per step (its four hooks and their Python work).
+        tensor_overhead_seconds: host time per parameter tensor of a unit per step (FSDP2 rebuilds views and DTensor
             wrappers of every parameter and gradient).
+        host_overlap: fraction of a unit's device work that hides its host work (hooks against its modules'
+            compute, optimizer dispatch against its optimizer kernels). ``None``: 0 on CPU (host and device are
+            the same cores) and 1 on CUDA (kernels run asynchronously; see [Note: the target's figures]).
         framework_seconds: per-step time of the training loop around the profiled step (Lightning's closure and
             hooks, logging with ``sync_dist``). ``None``: ``profile.framework_seconds`` when measured,
             else 12 ms on CPU, 5 ms on CUDA.
@@ -85,6 +116,7 @@ class CostModelConfig:
     optimizer_temporaries: float | None = None
     ddp_bucket_bytes: int = _DDP_BUCKET_BYTES
     release_all_gather_after_forward: bool | None = None
+    host_overlap: float | None = None
 
     def resolve(self, profile: ModelProfile) -> ResolvedConfig:
         """Fill the ``None`` fields from ``profile`` (device, optimizer type, measured figures)."""
@@ -95,7 +127,12 @@ class CostModelConfig:
         sync = self.collective_sync_seconds
         if sync is None:
             sync = _CPU_COLLECTIVE_SYNC_SECONDS if on_cpu else 0.0
-        copy_rate = self.copy_bytes_per_second or _DEFAULT_COPY_BYTES_PER_SECOND
+        copy_rate = self.copy_bytes_per_second
+        if copy_rate is None:
+            copy_rate = _DEFAULT_COPY_BYTES_PER_SECOND if on_cpu else _device_copy_rate(profile)
+        host_overlap = self.host_overlap
+        if host_overlap is None:
+            host_overlap = 0.0 if on_cpu else 1.0
         trainable = sum(m.trainable_param_bytes for m in profile.modules.values())
         # The profile's step overhead was measured with the optimizer stepping every parameter on one device; the
         # optimizer's share is modelled per unit (it shrinks with sharding), so it is taken out of the constant.
@@ -125,6 +162,9 @@ class CostModelConfig:
             split_overhead_seconds=self.split_overhead_seconds,
             optimizer_temporaries=float(temporaries),
             step_overhead_seconds=constant + framework,
+            host_overlap=float(host_overlap),
+            param_itemsize=_itemsize(profile, "param_dtype"),
+            reduce_itemsize=_itemsize(profile, "reduce_dtype"),
             ddp_bucket_bytes=self.ddp_bucket_bytes,
             release_all_gather_after_forward=(
                 releases_all_gather_after_forward("cpu" if on_cpu else "cuda")
@@ -151,3 +191,30 @@ class ResolvedConfig:
     step_overhead_seconds: float
     ddp_bucket_bytes: int
     release_all_gather_after_forward: bool
+    host_overlap: float = 0.0
+    #: bytes per element that sharded units gather and compute in, and reduce in, under the profile's
+    #: mixed-precision policy (``None``: the parameters' own; see ``units.py`` [Note: bytes per dtype under FSDP2's
+    #: mixed precision])
+    param_itemsize: int | None = None
+    reduce_itemsize: int | None = None
+
+
+def _itemsize(profile: ModelProfile, key: str) -> int | None:
+    name = (profile.mixed_precision or {}).get(key)
+    if not name:
+        return None
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"the profile's mixed_precision names an unknown dtype {key}={name!r}")
+    return dtype.itemsize
+
+
+def _device_copy_rate(profile: ModelProfile) -> float:
+    """The copy bandwidth of a profile of a device other than the CPU (see [Note: the target's figures])."""
+    if profile.copy_bytes_per_second:
+        return float(profile.copy_bytes_per_second)
+    if profile.rates is not None:
+        return profile.rates.memory_bytes_per_second / 2
+    return _DEFAULT_DEVICE_COPY_BYTES_PER_SECOND

@@ -80,6 +80,11 @@ class Prediction:
         units: per-unit figures.
         world_size: ranks.
         instants: every modelled instant ``(label, bytes)``, in step order (for plots and debugging).
+        copies_seconds: FSDP2's and DDP's memory copies that are not hidden (all units).
+        optimizer_seconds: the optimizer step (all units).
+        overhead_seconds: the units' hooks and split calls that are not hidden.
+        step_overhead_seconds: the part of ``compute_seconds`` outside the modules: the loss, the optimizer step's
+            framework, the training loop around the step.
     """
 
     peak: MemoryParts
@@ -91,6 +96,22 @@ class Prediction:
     units: list[UnitPrediction]
     world_size: int
     instants: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    copies_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+    overhead_seconds: float = 0.0
+    step_overhead_seconds: float = 0.0
+
+    @property
+    def step_parts(self) -> dict[str, float]:
+        """The step time in parts that add up to ``step_seconds``: ``compute`` (the modules' forward and backward),
+        ``exposed_communication``, ``copies``, ``optimizer`` and ``overhead`` (hooks, loss, training loop)."""
+        return {
+            "compute": self.compute_seconds - self.step_overhead_seconds,
+            "exposed_communication": self.exposed_seconds,
+            "copies": self.copies_seconds,
+            "optimizer": self.optimizer_seconds,
+            "overhead": self.overhead_seconds + self.step_overhead_seconds,
+        }
 
     @property
     def peak_bytes(self) -> int:
@@ -166,11 +187,10 @@ class Prediction:
         ]
         for name in CATEGORIES:
             lines.append(f"  {name.replace('_', ' '):<22} {format_bytes(getattr(self.peak, name)):>12}")
+        parts = ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f} ms" for k, v in self.step_parts.items())
         lines.append(
-            f"Predicted step {self.step_seconds * 1e3:.1f} ms: compute {self.compute_seconds * 1e3:.1f} ms, "
-            f"communication {self.communication_seconds * 1e3:.1f} ms "
-            f"(exposed {self.exposed_seconds * 1e3:.1f} ms), "
-            f"other {(self.step_seconds - self.compute_seconds - self.exposed_seconds) * 1e3:.1f} ms"
+            f"Predicted step {self.step_seconds * 1e3:.1f} ms: {parts} "
+            f"(communication {self.communication_seconds * 1e3:.1f} ms, of which the exposed part above)"
         )
         lines.append(f"{'unit':<32} {'mode':<14} {'split':>5} {'kept':>12} {'gathered':>12} {'comm ms':>9}")
         for u in self.units:
@@ -332,4 +352,8 @@ def _predict(profile: ModelProfile, plan: Plan, world_size: int, config: Resolve
         units=_unit_predictions(units),
         world_size=world_size,
         instants=be.instants,
+        copies_seconds=sum(t.copies for t in times),
+        optimizer_seconds=sum(t.optimizer for t in times),
+        overhead_seconds=sum(t.overhead for t in times),
+        step_overhead_seconds=config.step_overhead_seconds,
     )

@@ -87,7 +87,18 @@ class ModelInfo:
             self.order.append(name)
             stack.extend(reversed(self.children[name]))
         self.pos = {name: i for i, name in enumerate(self.order)}
-        self.params: dict[str, list[ParamSpec]] = {n: module_params(mp) for n, mp in profile.modules.items()}
+        # An embedding tied to an output Linear has its weight cast by autocast there (units.py [Note: bytes per dtype
+        # under FSDP2's mixed precision]).
+        tied_names = {n for group in profile.tied for n in group}
+        self.params: dict[str, list[ParamSpec]] = {
+            n: module_params(
+                mp,
+                compute_itemsize=config.param_itemsize,
+                reduce_itemsize=config.reduce_itemsize,
+                cast_by_autocast=True if n in tied_names else None,
+            )
+            for n, mp in profile.modules.items()
+        }
         self.optim_tensor = {n: float(mp.optim_state_bytes) for n, mp in profile.modules.items()}
         self.optim_scalar = {n: float(getattr(mp, "optim_scalar_bytes", 0) or 0) for n, mp in profile.modules.items()}
         self.leaves = [n for n in self.order if not self.children[n]]
@@ -231,10 +242,16 @@ def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
     if b.sharded:
         gathers = 2 if b.mode == "full_shard" else 1
         comm = gathers * (collective_seconds(profile, "all_gather", b.flat, ws) + sync)
+        # The copy-out runs on the compute stream; the all-gather copy-in and the reduce-scatter copy-in run on
+        # FSDP2's side streams and hide, after the collectives, in what compute is left (config.py [Note: the
+        # target's figures]; on CPU nothing overlaps).
         copies = gathers * (b.params + b.gathered) / copy
+        side = gathers * b.params / copy
         if b.trainable:
             comm += collective_seconds(profile, "reduce_scatter", b.reduce_input, ws) + sync
             copies += b.reduce_input / copy
+            side += b.reduce_input / copy
+        copies -= min(side, max(0.0, cfg.overlap * compute - comm))
     else:
         # DDP: the unit's gradients share buckets with other no_shard units' and are all-reduced a bucket at a
         # time; the call's latency (and the ranks' synchronisation) is paid once per bucket, so a unit pays the
@@ -256,12 +273,16 @@ def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
     if ws <= 1:
         comm = 0.0
     exposed = max(0.0, comm - cfg.overlap * compute)
+    # Host work (hooks; DTensor dispatch of the optimizer) costs what the device work it overlaps does not hide.
+    optimizer = b.grad * cfg.optimizer_seconds_per_byte
+    dispatch = b.n_trainable * cfg.optimizer_seconds_per_tensor
+    hooks = cfg.unit_overhead_seconds + b.n_params * cfg.tensor_overhead_seconds
     return UnitTime(
         communication=comm,
         exposed=exposed,
         copies=copies,
-        optimizer=b.grad * cfg.optimizer_seconds_per_byte + b.n_trainable * cfg.optimizer_seconds_per_tensor,
-        overhead=cfg.unit_overhead_seconds + b.n_params * cfg.tensor_overhead_seconds,
+        optimizer=optimizer + max(0.0, dispatch - cfg.host_overlap * optimizer),
+        overhead=max(0.0, hooks - cfg.host_overlap * compute),
         compute=compute,
     )
 

@@ -23,29 +23,67 @@ once, at construction, and they live for the whole run: ``zero_grad(set_to_none=
 views, not the buckets. In backward, autograd's gradient of each parameter is copied into its bucket slot and
 dropped, and the bucket is all-reduced in place. So a ``no_shard`` unit keeps ``P`` parameters and a ``P``
 bucket, gathers nothing and has no reduction buffer of its own.
+
+[Note: bytes per dtype under FSDP2's mixed precision]
+Under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` (``OSDPStrategy(mixed_precision=...)``) a parameter has
+three sizes: ``storage_itemsize`` (the sharded parameter, its sharded gradient and the optimizer state: the model's
+own dtype, fp32), ``itemsize`` (what is gathered and computed with: ``param_dtype``; the all-gather output and the
+unsharded parameters, and the unsharded gradients autograd produces for them) and ``reduce_itemsize`` (the
+reduce-scatter input, which ``foreach_reduce`` casts to ``reduce_dtype``). Without a policy all three are the
+parameter's dtype. ``no_shard`` units are DDP's, whose parameters and buckets stay in the storage dtype; under the
+policy the strategy runs the step under Lightning's autocast (as Lightning's FSDP strategy pairs FSDP's parameter
+cast with autocast), which casts the weights a replicated matrix multiplication uses (``cast_by_autocast``) to
+``param_dtype`` in each forward and keeps the copies for backward: the unit counts them with its parameters (they
+exist from its forward to its backward, which covers the loss, where peaks fall). A sharded unit needs no such
+copy: its parameters are gathered in ``param_dtype`` already, and what autograd keeps of them is FSDP2's unsharded
+parameter, freed at reshard.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
 
-__all__ = ["SHARDED_MODES", "ParamSpec", "UnitBytes", "UnitTime", "module_params", "split_params", "unit_bytes"]
+__all__ = [
+    "NOT_CAST_BY_AUTOCAST",
+    "SHARDED_MODES",
+    "ParamSpec",
+    "UnitBytes",
+    "UnitTime",
+    "module_params",
+    "split_params",
+    "unit_bytes",
+]
 
 SHARDED_MODES: tuple[str, ...] = ("shard_grad_op", "full_shard")
 
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter tensor as FSDP2 shards it."""
+    """One parameter tensor as FSDP2 shards it (see [Note: bytes per dtype under FSDP2's mixed precision]).
+
+    Attributes:
+        rows: dim-0 size (FSDP2 shards along it).
+        row_numel: elements per row.
+        itemsize: bytes per element as gathered and computed with (``param_dtype``).
+        trainable: ``requires_grad``.
+        storage_itemsize: bytes per element as stored: shards, sharded gradients (``None``: ``itemsize``).
+        reduce_itemsize: bytes per element of the reduce-scatter input (``None``: ``itemsize``).
+        cast_by_autocast: autocast casts it for a matrix multiplication when it is a plain (DDP) parameter of
+            another dtype.
+    """
 
     rows: int
     row_numel: int
     itemsize: int
     trainable: bool
+    storage_itemsize: int | None = None
+    reduce_itemsize: int | None = None
+    cast_by_autocast: bool = False
 
     @property
     def numel(self) -> int:
@@ -53,28 +91,67 @@ class ParamSpec:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole tensor as computed with (and of the gradient autograd produces for it)."""
         return self.numel * self.itemsize
 
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes of the whole tensor as stored."""
+        return self.numel * (self.storage_itemsize or self.itemsize)
+
+    @property
+    def autocast_copy_bytes(self) -> int:
+        """Bytes of the compute-dtype copy autocast keeps of it as a replicated parameter (0: none is made)."""
+        stored = self.storage_itemsize or self.itemsize
+        return self.nbytes if self.cast_by_autocast and self.itemsize < stored else 0
+
+    def _padded_numel(self, world_size: int) -> int:
+        return math.ceil(self.rows / world_size) * self.row_numel
+
     def local_bytes(self, world_size: int, sharded: bool) -> int:
-        """Bytes rank 0 keeps: the padded shard (sharded), or the whole tensor (replicated)."""
+        """Bytes rank 0 keeps: the padded shard (sharded), or the whole tensor (replicated), as stored."""
         if not sharded:
-            return self.nbytes
-        return math.ceil(self.rows / world_size) * self.row_numel * self.itemsize
+            return self.stored_nbytes
+        return self._padded_numel(world_size) * (self.storage_itemsize or self.itemsize)
 
     def gathered_bytes(self, world_size: int, sharded: bool) -> int:
-        """Bytes of the all-gather output (padded); 0 when replicated (nothing is gathered)."""
+        """Bytes of the all-gather output (padded, in the compute dtype); 0 when replicated (nothing is gathered)."""
         if not sharded:
             return 0
-        return self.local_bytes(world_size, True) * world_size
+        return self._padded_numel(world_size) * world_size * self.itemsize
+
+    def reduce_bytes(self, world_size: int, sharded: bool) -> int:
+        """Bytes of the reduce-scatter input (padded, in the reduce dtype); 0 when replicated."""
+        if not sharded:
+            return 0
+        return self._padded_numel(world_size) * world_size * (self.reduce_itemsize or self.itemsize)
 
 
-def module_params(mp: ModuleProfile) -> list[ParamSpec]:
+#: Module types whose weights autocast does not cast for a matrix multiplication (a lookup reads its rows as they
+#: are); an embedding tied to an output Linear is cast there (see ``ModelInfo``).
+NOT_CAST_BY_AUTOCAST = frozenset({"Embedding", "EmbeddingBag"})
+
+
+def module_params(
+    mp: ModuleProfile,
+    *,
+    compute_itemsize: int | None = None,
+    reduce_itemsize: int | None = None,
+    cast_by_autocast: bool | None = None,
+) -> list[ParamSpec]:
     """A module's own parameters from its profile (dtype and trainability are per module in the schema: the
-    trainable ones are taken first, in order, until ``trainable_param_bytes`` is reached)."""
+    trainable ones are taken first, in order, until ``trainable_param_bytes`` is reached).
+
+    Args:
+        mp: the module's profile (its byte figures are of the parameters as stored).
+        compute_itemsize, reduce_itemsize: the mixed-precision policy's dtypes' sizes (``None``: the stored one).
+        cast_by_autocast: whether autocast casts its matrices (``None``: unless the module is an embedding).
+    """
     if not mp.param_shapes:
         return []
     numels = [math.prod(shape) if shape else 1 for shape in mp.param_shapes]
     itemsize = mp.param_bytes // max(sum(numels), 1) or 4
+    cast = mp.type not in NOT_CAST_BY_AUTOCAST if cast_by_autocast is None else cast_by_autocast
     specs: list[ParamSpec] = []
     left = mp.trainable_param_bytes
     for shape, numel in zip(mp.param_shapes, numels, strict=True):
@@ -82,7 +159,17 @@ def module_params(mp: ModuleProfile) -> list[ParamSpec]:
         trainable = left >= numel * itemsize > 0
         if trainable:
             left -= numel * itemsize
-        specs.append(ParamSpec(rows, numel // max(rows, 1), itemsize, trainable))
+        specs.append(
+            ParamSpec(
+                rows,
+                numel // max(rows, 1),
+                compute_itemsize or itemsize,
+                trainable,
+                storage_itemsize=itemsize,
+                reduce_itemsize=reduce_itemsize,
+                cast_by_autocast=cast and len(shape) >= 2,
+            )
+        )
     return specs
 
 
@@ -93,7 +180,7 @@ def split_params(params: Sequence[ParamSpec], k: int) -> list[list[ParamSpec]]:
         base, extra = divmod(p.rows, k)
         for i in range(k):
             rows = base + (1 if i < extra else 0)
-            slices[i].append(ParamSpec(rows, p.row_numel, p.itemsize, p.trainable))
+            slices[i].append(dataclasses.replace(p, rows=rows))
     return slices
 
 
@@ -103,12 +190,14 @@ class UnitBytes:
 
     Attributes:
         mode: the unit's mode.
-        params: parameter bytes kept between steps (padded shards, or full replicas).
+        params: parameter bytes kept between steps (padded shards, or full replicas; under a mixed-precision
+            policy a replicated unit's autocast copies too).
         gathered: unsharded parameters while the unit is gathered (0 for ``no_shard``).
         flat: the all-gather output buffer (0 for ``no_shard``, and on one rank).
         grad: the sharded gradient (reduction output) the optimizer reads, kept into the next step (0 for
             ``no_shard``: its gradients live in ``bucket``).
-        grad_full: unsharded gradients autograd produces before the reduction (or the copy into the bucket).
+        grad_full: unsharded gradients autograd produces before the reduction (or the copy into the bucket), in the
+            compute dtype.
         reduce_input: the reduce-scatter input buffer (0 for ``no_shard``: DDP all-reduces its bucket in place).
         bucket: DDP's gradient buckets for the unit's trainable parameters (``no_shard`` only), kept all run.
         optim: optimizer state of the local shards.
@@ -161,23 +250,26 @@ def unit_bytes(
     """
     sharded = mode in SHARDED_MODES
     trainable = [p for p in params if p.trainable]
-    full_trainable = sum(p.nbytes for p in trainable)
+    full_trainable = sum(p.stored_nbytes for p in trainable)
     local_trainable = sum(p.local_bytes(world_size, sharded) for p in trainable)
     share = local_trainable / full_trainable if full_trainable else 0.0
     gathered = sum(p.gathered_bytes(world_size, sharded) for p in params)
+    # A replicated unit under a mixed-precision policy: autocast's compute-dtype copies of its weights.
+    copies = 0 if sharded else sum(p.autocast_copy_bytes for p in params)
     return UnitBytes(
         mode=mode,
-        params=sum(p.local_bytes(world_size, sharded) for p in params),
+        params=sum(p.local_bytes(world_size, sharded) for p in params) + copies,
         gathered=gathered,
         flat=gathered if world_size > 1 else 0,
         grad=local_trainable if sharded else 0,
-        grad_full=full_trainable,
-        reduce_input=sum(p.gathered_bytes(world_size, sharded) for p in trainable),
+        # FSDP2's unsharded gradients are of its compute-dtype parameters; DDP's of its stored ones.
+        grad_full=sum(p.nbytes if sharded else p.stored_nbytes for p in trainable),
+        reduce_input=sum(p.reduce_bytes(world_size, sharded) for p in trainable),
         bucket=0 if sharded else full_trainable,
         optim=round(optim_tensor_bytes * share + optim_scalar_bytes),
         largest_local=max((p.local_bytes(world_size, sharded) for p in trainable), default=0),
         param_count=sum(p.numel for p in params),
-        param_bytes=sum(p.nbytes for p in params),
+        param_bytes=sum(p.stored_nbytes for p in params),
         trainable=bool(trainable),
         n_params=len(params),
         n_trainable=len(trainable),

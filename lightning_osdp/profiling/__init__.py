@@ -14,6 +14,7 @@ from lightning_osdp.profiling.collectives import (
 )
 from lightning_osdp.profiling.errors import ProfilingError
 from lightning_osdp.profiling.fit import fit_latency_throughput
+from lightning_osdp.profiling.mixed_precision import profile_with_policy
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
 from lightning_osdp.profiling.optimizer_state import OptimizerSpec
 from lightning_osdp.profiling.profiler import MODES, profile
@@ -38,5 +39,6 @@ __all__ = [
     "measure_device_rates",
     "print_profile",
     "profile",
+    "profile_with_policy",
     "zero_cost_collectives",
 ]

@@ -135,12 +135,16 @@ class ModelProfile:
             its unattributed part, how long the collective benchmark took, how the optimizer state was counted.
         forward_order: module names in the order their forward first ran (the cost model's timeline follows it;
             empty: registration order).
-        copy_bytes_per_second: memory-copy bandwidth measured on the device (``None``: not measured). Recorded for
-            ``osdp plan --hardware-profile``; the cost model's copy rate is a constant of its own (see
-            ``lightning_osdp/cost_model/config.py``).
+        copy_bytes_per_second: memory-copy bandwidth measured on the device, or the target's for a dry run
+            (``None``: not measured). The cost model's copy rate on a GPU; on the CPU it uses a constant calibrated
+            for FSDP2's copies instead (see ``lightning_osdp/cost_model/config.py``).
         rates: the rates the estimated mode converted FLOPs and bytes into seconds with (``None`` in measured mode).
         framework_seconds: per-step time of the training loop around the profiled step (Lightning's closure,
             hooks, ``sync_dist`` logging), when measured; ``None``: the cost model uses its device default.
+        mixed_precision: ``{"param_dtype": ..., "reduce_dtype": ...}`` (``torch`` dtype names) when the step ran as
+            under FSDP2's ``MixedPrecisionPolicy`` (``OSDPStrategy(mixed_precision=...)``): traced with the parameters
+            in ``param_dtype``, while the byte figures of parameters, gradients and optimizer state are of the
+            parameters as stored (see ``lightning_osdp/profiling/mixed_precision.py``); ``None``: no policy.
     """
 
     modules: dict[str, ModuleProfile]
@@ -161,6 +165,7 @@ class ModelProfile:
     copy_bytes_per_second: float | None = None
     rates: DeviceRates | None = None
     framework_seconds: float | None = None
+    mixed_precision: dict[str, str] | None = None
 
     def __str__(self) -> str:
         """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""

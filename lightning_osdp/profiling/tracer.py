@@ -30,7 +30,8 @@ Parameters, buffers and the batch are not activations: their storages are exclud
 
 *Operators* (only when asked: the tracing costs Python time per operator): each ATen operator is seen by a
 ``TorchDispatchMode``; its FLOPs come from ``torch.utils.flop_counter``'s formulas (``FlopCounterMode``'s registry,
-so the counts are the ones ``FlopCounterMode`` reports), and an operator without a FLOP formula is tallied as
+so the counts are the ones ``FlopCounterMode`` reports, with the CPU's fused attention given the formula of the
+GPU's, :func:`cpu_attention_flop_formulas`), and an operator without a FLOP formula is tallied as
 memory-bound by the bytes of its tensor arguments and results (views move nothing; gathers read only what they
 return). The estimated mode turns these tallies into times.
 
@@ -39,6 +40,7 @@ On CUDA the clock synchronises the device before reading the time, so each inter
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -51,7 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_osdp._compat import TorchDispatchMode, tree_leaves
 
-__all__ = ["ModuleRecord", "ModuleTracer", "OpTally", "StepRecord", "storage_keys"]
+__all__ = ["ModuleRecord", "ModuleTracer", "OpTally", "StepRecord", "cpu_attention_flop_formulas", "storage_keys"]
 
 aten = torch.ops.aten
 
@@ -78,6 +80,27 @@ _METADATA = {
 _NO_TRAFFIC = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten._unsafe_view, aten.lift_fresh}
 # Operators that read only the rows they return from a (possibly huge) table.
 _GATHERS = {aten.embedding, aten.index_select, aten.gather, aten.index}
+# The CPU's fused attention, which a trace on CPU (fake) tensors runs where a GPU runs flash or memory-efficient
+# attention: FlopCounterMode has no formula for it, so it takes the GPU kernels' (same arguments first: query, key,
+# value; the backward's gradient, query, key, value), or an estimate for a GPU would count attention as memory traffic.
+_SAME_FLOPS_AS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+
+
+def cpu_attention_flop_formulas() -> dict[Any, Any]:
+    """FLOP formulas for the CPU's fused attention operators, which ``FlopCounterMode`` lacks (those of the GPU's
+    flash attention); in the form ``FlopCounterMode(custom_mapping=...)`` takes."""
+    registry = FlopCounterMode(display=False).flop_registry
+    out = {}
+    for op, like in _SAME_FLOPS_AS.items():
+        formula = registry.get(like)
+        if formula is not None:
+            # The registry's entry takes the operator's arguments as they come (tensors, ``out_val``): marked so.
+            out[op] = functools.partial(formula)
+            out[op]._get_raw = True  # type: ignore[attr-defined]
+    return out
 
 
 def _static(value: Any) -> int | None:
@@ -164,7 +187,7 @@ class _OpRecorder(TorchDispatchMode):
     def __init__(self, tracer: ModuleTracer) -> None:
         super().__init__()
         self.tracer = tracer
-        self.registry = FlopCounterMode(display=False).flop_registry
+        self.registry = {**FlopCounterMode(display=False).flop_registry, **cpu_attention_flop_formulas()}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
