@@ -21,6 +21,7 @@ from lightning_osdp.cost_model.timeline import (
 from lightning_osdp.cost_model.units import SHARDED_MODES, UnitTime
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.topology import Topology
 
 __all__ = ["Prediction", "PredictionCheck", "UnitPrediction", "predict"]
 
@@ -80,6 +81,7 @@ class Prediction:
         units: per-unit figures.
         world_size: ranks.
         instants: every modelled instant ``(label, bytes)``, in step order (for plots and debugging).
+        topology: the nodes and shard groups it was predicted for (``None``: ``world_size`` ranks on one node).
     """
 
     peak: MemoryParts
@@ -91,6 +93,7 @@ class Prediction:
     units: list[UnitPrediction]
     world_size: int
     instants: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    topology: Topology | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -160,10 +163,12 @@ class Prediction:
     def __str__(self) -> str:
         from lightning_osdp.budget import format_bytes
 
-        lines = [
-            f"Predicted peak {format_bytes(self.peak_bytes)} per device at {self.peak_at!r} "
-            f"(world size {self.world_size}):",
-        ]
+        where = (
+            f"world size {self.world_size}"
+            if self.topology is None or self.topology.is_flat
+            else self.topology.describe()
+        )
+        lines = [f"Predicted peak {format_bytes(self.peak_bytes)} per device at {self.peak_at!r} ({where}):"]
         for name in CATEGORIES:
             lines.append(f"  {name.replace('_', ' '):<22} {format_bytes(getattr(self.peak, name)):>12}")
         lines.append(
@@ -296,7 +301,7 @@ def timeline_input(info: ModelInfo, plan: Plan) -> tuple[TimelineInput[MemoryPar
 def predict(
     profile: ModelProfile,
     plan: Plan,
-    world_size: int | None = None,
+    world_size: int | Topology | None = None,
     *,
     config: CostModelConfig | None = None,
 ) -> Prediction:
@@ -306,7 +311,9 @@ def predict(
         profile: the model's profile (exclusive per-module figures and collective fits).
         plan: the decisions; modules without one are covered by their nearest decided ancestor (the root ``""``,
             ``no_shard`` unless the plan says otherwise).
-        world_size: ranks to shard over (default: the profile's).
+        world_size: ranks to shard over (default: the profile's), or a :class:`~lightning_osdp.topology.Topology`
+            (nodes, ranks per node, ``hybrid_shard``'s shard group); an ``int`` is that many ranks on one node
+            (with the profile's ranks per node, when it was measured on several nodes).
         config: machine constants not in the profile (see :class:`CostModelConfig`).
 
     Returns:
@@ -316,7 +323,7 @@ def predict(
     return _predict(profile, plan, world_size or profile.world_size, resolved)
 
 
-def _predict(profile: ModelProfile, plan: Plan, world_size: int, config: ResolvedConfig) -> Prediction:
+def _predict(profile: ModelProfile, plan: Plan, world_size: int | Topology, config: ResolvedConfig) -> Prediction:
     info = ModelInfo(profile, world_size, config)
     spec, units = timeline_input(info, plan)
     be = NumericBackend()
@@ -330,6 +337,7 @@ def _predict(profile: ModelProfile, plan: Plan, world_size: int, config: Resolve
         communication_seconds=sum(t.communication for t in times),
         exposed_seconds=sum(t.exposed for t in times),
         units=_unit_predictions(units),
-        world_size=world_size,
+        world_size=info.world_size,
         instants=be.instants,
+        topology=info.topology,
     )

@@ -33,9 +33,22 @@ from dataclasses import dataclass
 
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
 
-__all__ = ["SHARDED_MODES", "ParamSpec", "UnitBytes", "UnitTime", "module_params", "split_params", "unit_bytes"]
+__all__ = [
+    "RESHARDING_MODES",
+    "SHARDED_MODES",
+    "ParamSpec",
+    "UnitBytes",
+    "UnitTime",
+    "module_params",
+    "split_params",
+    "unit_bytes",
+]
 
-SHARDED_MODES: tuple[str, ...] = ("shard_grad_op", "full_shard")
+#: Modes whose parameters are FSDP2's (sharded DTensors); ``hybrid_shard`` shards within its shard group.
+SHARDED_MODES: tuple[str, ...] = ("shard_grad_op", "full_shard", "hybrid_shard")
+#: Sharded modes that free the unsharded parameters after forward and gather them again for backward
+#: (``reshard_after_forward=True``).
+RESHARDING_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
 
 
 @dataclass(frozen=True)
@@ -138,7 +151,13 @@ class UnitBytes:
 
     @property
     def sharded(self) -> bool:
+        """Whether the unit is an FSDP2 group (sharded parameters, all-gather and reduction buffers)."""
         return self.mode in SHARDED_MODES
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the unit frees its unsharded parameters after forward and gathers them again for backward."""
+        return self.mode in RESHARDING_MODES
 
 
 def unit_bytes(
@@ -153,8 +172,9 @@ def unit_bytes(
 
     Args:
         params: the unit's parameters (unsharded shapes).
-        mode: ``no_shard`` / ``shard_grad_op`` / ``full_shard``.
-        world_size: ranks the unit is sharded over.
+        mode: one of :data:`~lightning_osdp.plan.MODES`.
+        world_size: ranks the unit is sharded over: the world, or for ``hybrid_shard`` its shard group (its
+            replicas keep the same bytes).
         optim_tensor_bytes: profiled optimizer-state bytes that scale with the parameters (for the whole,
             unsharded parameters); the local share is taken.
         optim_scalar_bytes: optimizer-state bytes kept per parameter tensor whatever its size (Adam's ``step``).
