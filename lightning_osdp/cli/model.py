@@ -47,7 +47,8 @@ class RunConfig:
         batch_size: the data section's ``batch_size`` (per device, as Lightning's data loaders take it).
         precision: ``trainer.precision``.
         world_size: ``trainer.devices`` times ``trainer.num_nodes``, when both are numbers.
-        memory_budget, memory_headroom, modes, max_split: the OSDP strategy's init args.
+        nodes: ``trainer.num_nodes``, when ``world_size`` is known.
+        memory_budget, memory_headroom, modes, max_split, shard_group_size: the OSDP strategy's init args.
         sources: the config files read.
     """
 
@@ -56,6 +57,8 @@ class RunConfig:
     batch_size: int | None = None
     precision: str | None = None
     world_size: int | None = None
+    nodes: int | None = None
+    shard_group_size: int | None = None
     memory_budget: int | str | None = None
     memory_headroom: float | None = None
     modes: list[str] | None = None
@@ -141,6 +144,7 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
     nodes = trainer.get("num_nodes", 1)
     if devices is not None and isinstance(nodes, int) and nodes > 0:
         config.world_size = devices * nodes
+        config.nodes = nodes
     strategy_class, strategy_args = _section(trainer.get("strategy"))
     if strategy_class is not None and (strategy_class == "osdp" or strategy_class.endswith("OSDPStrategy")):
         config.memory_budget = strategy_args.get("memory_budget")
@@ -151,6 +155,8 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
             config.modes = list(strategy_args["modes"])
         if isinstance(strategy_args.get("max_split"), int):
             config.max_split = strategy_args["max_split"]
+        if isinstance(strategy_args.get("shard_group_size"), int):
+            config.shard_group_size = strategy_args["shard_group_size"]
     return config
 
 

@@ -27,11 +27,23 @@ node's replicate groups all-reduce at once: per node, the bytes ``hybrid_shard``
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile
 from lightning_osdp.topology import CommGroup, Topology
 
-__all__ = ["Network", "as_topology", "bus_bytes_per_second", "carried_over"]
+__all__ = ["Levels", "Network", "as_topology", "bus_bytes_per_second", "carried_over"]
+
+
+class Levels(Protocol):
+    """The two levels of fits: a :class:`~lightning_osdp.profiling.ModelProfile`, or ``osdp plan``'s hardware
+    figures."""
+
+    @property
+    def collectives(self) -> dict[str, CollectiveFit]: ...
+
+    @property
+    def inter_node_collectives(self) -> dict[str, CollectiveFit]: ...
 
 
 def _passes(op: str) -> int:
@@ -83,7 +95,7 @@ class Network:
         ValueError: the profile has no across-node fits (it was measured on one node).
     """
 
-    def __init__(self, profile: ModelProfile, topology: Topology) -> None:
+    def __init__(self, profile: Levels, topology: Topology) -> None:
         self.profile = profile
         self.topology = topology
         self._cache: dict[tuple[str, CommGroup], CollectiveFit] = {}
