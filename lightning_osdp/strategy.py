@@ -93,7 +93,8 @@ class OSDPStrategy(ParallelStrategy):
             that measures peak memory (it costs Python time per operator); 0 measures none. CUDA measures every
             step.
         modes: the modes the planner may choose from: ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP,
-            ``("shard_grad_op",)`` ZeRO-2.
+            ``("shard_grad_op",)`` ZeRO-2, ``("hybrid_shard",)`` HSDP (sharded within ``shard_group_size`` ranks,
+            replicated across such groups; on one node of one group it is ``full_shard``).
         max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
         plan_out: the file the chosen plan is saved to (with the profile beside it as ``*.profile.json``); default
             ``osdp_plan.json`` in the logger's directory.

@@ -400,3 +400,110 @@ def test_the_runner_plans_are_valid(tmp_path: Path) -> None:
     for name, decisions in hybrid_runner.PLANS.items():
         Plan(decisions).validate(TinyGPT())
         assert ("hybrid_shard" in str(decisions)) == name.startswith("hybrid"), name
+
+
+# ---------------------------------------------------------------------------------------------- osdp plan
+def _osdp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    from lightning_osdp.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+GPT_ARGS = [
+    "--model",
+    "examples/gpt/gpt.py:GPTModule",
+    "--init-args",
+    '{"width": 256, "depth": 4, "heads": 4, "context_length": 128, "vocab_size": 512, "lr_schedule": "constant"}',
+    "--batch-size",
+    "2",
+    "--memory",
+    "4GiB",
+    "--no-search",
+]
+
+
+def test_osdp_plan_on_two_nodes_compares_hsdp_and_records_the_nodes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "plan.json"
+    code, stdout, err = _osdp(
+        capsys, "plan", *GPT_ARGS, "--nodes", "2", "--gpus-per-node", "8", "--hardware", "l4-pcie", "--out", str(out)
+    )
+    assert code == 0, err
+    assert "16 x NVIDIA L4 (2 nodes of 8: PCIe 4.0 x16; between nodes 100 Gb/s Ethernet" in stdout
+    rows = {line.split()[0] for line in stdout.splitlines() if line.startswith(("OSDP ", "DDP ", "FSDP ", "HSDP "))}
+    assert {"OSDP", "DDP", "FSDP", "HSDP"} <= rows
+    assert "solve" in err and "profiling" in err  # the closing note's stage times
+    plan = Plan.load(out)
+    assert plan.info["topology"] == {"nodes": 2, "ranks_per_node": 8}
+    assert plan.info["dry_run"]["nodes"] == 2 and plan.info["dry_run"]["world_size"] == 16
+    profile = ModelProfile.load(out.with_name("plan.profile.json"))
+    assert (profile.nodes, profile.world_size) == (2, 16)
+    assert (
+        profile.collectives["all_gather"].world_size == 8
+        and profile.inter_node_collectives["all_gather"].world_size == 2
+    )
+    # The plan's figures are the cost model's on the two levels of that profile.
+    assert plan.report is not None
+    assert predict(profile, plan, Topology(2, 8)).peak_bytes == plan.report.predicted_peak_bytes
+    # One node: no HSDP row (it would be FSDP) and no topology in the plan.
+    code, stdout, err = _osdp(capsys, "plan", *GPT_ARGS, "--world-size", "8", "--hardware", "l4-pcie")
+    assert code == 0, err
+    assert not any(line.startswith("HSDP ") for line in stdout.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nodes", "2", "--hardware", "l4-pcie"], "give --nodes N and --gpus-per-node G together"),
+        (["--nodes", "2", "--gpus-per-node", "8", "--world-size", "8", "--hardware", "l4-pcie"], "is not --nodes 2"),
+        (["--nodes", "2", "--gpus-per-node", "8", "--hardware", "rtx4090-pcie"], "give --network NAME"),
+        (["--nodes", "2", "--gpus-per-node", "8", "--hardware", "l4-pcie", "--network", "ib"], "unknown network 'ib'"),
+        (["--nodes", "2", "--gpus-per-node", "8", "--hardware", "l4-pcie", "--shard-group-size", "3"], "accepted: 1,"),
+    ],
+)
+def test_osdp_plan_names_what_is_wrong_with_the_nodes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
+) -> None:
+    monkeypatch.chdir(ROOT)
+    code, _, err = _osdp(capsys, "plan", *GPT_ARGS, *argv)
+    assert code == 2 and message in err, err
+
+
+def test_a_network_joins_nodes_of_a_one_machine_entry_or_a_one_node_profile(tmp_path: Path) -> None:
+    from lightning_osdp.cli.errors import CLIError
+    from lightning_osdp.cli.hardware import NETWORKS, get_hardware, hardware_from_file
+
+    ib = NETWORKS["ib-hdr-8x"]
+    figures = get_hardware("rtx4090-pcie").figures(32, "bf16-mixed", nodes=4, network=ib)
+    across = figures.inter_node_collectives["all_reduce"]
+    # One rank's share: 8 NICs for 8 GPUs, so a NIC each.
+    assert bus_bytes_per_second(across) == pytest.approx(ib.bus_bytes_per_second / 8)
+    assert NETWORKS["eth-100g"].rank_share(8).bus_bytes_per_second == pytest.approx(9e9 / 8)
+    assert NETWORKS["ib-hdr-8x"].rank_share(4).bus_bytes_per_second == pytest.approx(180e9 / 8)
+    rates = get_hardware("l4-pcie").figures(8, "32-true").rates  # what an estimated profile records
+
+    def with_rates(profile: ModelProfile) -> ModelProfile:
+        return dataclasses.replace(profile, rates=rates, copy_bytes_per_second=1e11)
+
+    path = with_rates(gpt_profile(world_size=8)).save(tmp_path / "one_node.profile.json")
+    with pytest.raises(CLIError, match="measured on one node.*--network"):
+        hardware_from_file(path, 16, nodes=2)
+    two = hardware_from_file(path, 16, nodes=2, network=ib)
+    assert two.nodes == 2 and two.inter_node_collectives["all_gather"].world_size == 2
+    measured = hardware_from_file(with_rates(two_level_profile(2, 4)).save(tmp_path / "two.profile.json"), 16)
+    assert measured.nodes == 4 and measured.collectives["all_gather"].world_size == 4  # the profile's 4 per node
+
+
+def test_a_resumed_run_plans_again_when_the_checkpoint_plan_was_made_for_other_nodes() -> None:
+    from lightning_osdp.strategy import _planned_for
+
+    solved = Plan({"": "no_shard"}, info={"topology": {"nodes": 2, "ranks_per_node": 2}})
+    assert _planned_for(solved, 4) == Topology(2, 2, 2)
+    # A plan without a topology was made for one node (the only kind there was): a 2-node run plans again.
+    assert _planned_for(Plan({"": "no_shard"}), 4) == Topology(1, 4, 4) != Topology(2, 2, 2)
+    assert _planned_for(Plan({"": "no_shard"}, info={"topology": {"nodes": "x"}}), 4) is None
