@@ -223,9 +223,6 @@ class Hardware:
                 f"{nodes} machines and no network is described for it: give --network NAME (known: "
                 f"{', '.join(NETWORKS)}), or --hardware-profile with measured figures"
             )
-        link = self.intra
-        if nodes > 1 and inter is not None and inter.bus_bytes_per_second < link.bus_bytes_per_second:
-            link = inter
         half = precision.startswith(("bf16", "16"))
         flops = (self.half_flops * MATMUL_EFFICIENCY_HALF) if half else (self.fp32_flops * MATMUL_EFFICIENCY_FP32)
         bandwidth = self.memory_bytes_per_second * MEMORY_EFFICIENCY
@@ -419,7 +416,7 @@ def hardware_from_file(
     bus bandwidth (see [Note: the collective model]) is carried over to ``world_size``, and their latency kept. On
     several nodes its within-node fits are carried over to the ranks of one node, and its across-node fits (a
     profile from several nodes) to the nodes; a profile of one node has none, and ``network`` (a built-in
-    :data:`NETWORKS` entry) stands in for them.
+    :data:`NETWORKS` entry) stands in for them (when given, it replaces measured ones too).
     Rates: the ``"rates"`` an estimated profile records; a measured profile has none, so the matmul rate is fitted
     to its modules' FLOPs and times (a module's forward and backward do about three times its forward FLOPs), and
     the memory rate taken from its measured copy bandwidth (a copy reads and writes: twice the bytes). The rates

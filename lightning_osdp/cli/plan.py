@@ -500,7 +500,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     if args.out:
         _save(dry, scaled, rows[0].plan, args.out, out)
     report = rows[0].plan.report
-    cbc = f", CBC {report.cbc_seconds:.1f} s" if report is not None and report.cbc_seconds is not None else ""
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in dry.seconds.items())
-    out.note(f"dry run took {time.perf_counter() - start:.1f} s ({stages}; of the solve{cbc})")
+    if report is not None and report.cbc_seconds is not None:
+        stages += f"; of the solve, CBC {report.cbc_seconds:.1f} s"
+    out.note(f"dry run took {time.perf_counter() - start:.1f} s ({stages})")
     return 0

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
+from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
 
 __all__ = [
     "RESHARDING_MODES",
@@ -242,13 +242,10 @@ class UnitTime:
 
 
 def collective_seconds(profile: ModelProfile, op: str, nbytes: float, world_size: int) -> float:
-    """One call of collective ``op`` on a buffer of ``nbytes`` (its full size), from the profile's fit."""
-    if world_size <= 1 or nbytes <= 0:
-        return 0.0
-    fit: CollectiveFit | None = profile.collectives.get(op)
-    if fit is None:
-        raise ValueError(
-            f"the profile has no fit for collective {op!r} (it has {sorted(profile.collectives) or 'none'}); "
-            "profile on the process group the model will train on"
-        )
-    return fit.seconds(nbytes)
+    """One call of collective ``op`` on a buffer of ``nbytes`` (its full size) over a world of ``world_size`` ranks on
+    one node, from the profile's fit (the cost model itself prices every group of a topology: ``network.py``)."""
+    from lightning_osdp.cost_model.network import Network
+    from lightning_osdp.topology import Topology
+
+    topology = Topology.flat(max(world_size, 1))
+    return Network(profile, topology).seconds(op, nbytes, topology.world)
