@@ -160,6 +160,14 @@ def check_activation_checkpointing(value: Any) -> bool | Literal["auto"]:
     )
 
 
+def check_shard_group_size(value: Any) -> int | None:
+    """``None`` (one node's ranks) or an integer >= 1; whether it tiles the nodes is checked when the Trainer has
+    given the strategy its ``num_nodes`` and ``devices`` (:meth:`~lightning_osdp.OSDPStrategy.topology`)."""
+    if value is None:
+        return None
+    return _integer("shard_group_size", value, minimum=1)
+
+
 def check_memory_steps(value: Any) -> int:
     """An integer >= 0 (0: CPU runs measure no peak memory)."""
     return _integer("memory_steps", value, minimum=0)

@@ -43,13 +43,16 @@ __all__ = [
     "default_units",
 ]
 
-Mode = Literal["no_shard", "shard_grad_op", "full_shard"]
+Mode = Literal["no_shard", "shard_grad_op", "full_shard", "hybrid_shard"]
 
 #: The data-parallel modes, named after ``torch.distributed.fsdp.ShardingStrategy``.
 #: ``no_shard``: parameters replicated, gradients all-reduced (DDP).
 #: ``shard_grad_op``: parameters sharded, gathered before forward and kept until backward is done (ZeRO-2-like).
 #: ``full_shard``: parameters sharded, gathered for forward, freed, gathered again for backward (ZeRO-3).
-MODES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard")
+#: ``hybrid_shard``: ``full_shard`` within a shard group (by default one node's ranks), replicated across the groups:
+#: gathers stay within the group, gradients are reduce-scattered in it and then all-reduced across the groups (HSDP,
+#: FSDP2 on a 2-D mesh; see ``lightning_osdp/topology.py``). On one node of one group it is ``full_shard``.
+MODES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
 
 #: ``format`` field of a plan file.
 PLAN_FORMAT = "lightning_osdp.plan"

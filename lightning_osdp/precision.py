@@ -27,11 +27,10 @@ from typing import Any, Literal, cast
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_osdp.apply.clip import clip_grad_norm_, clip_grad_value_
+from lightning_osdp.apply.clip import clip_grad_norm_, clip_grad_value_, parts_by_mesh
 
 __all__ = [
     "OSDPDoublePrecision",
@@ -78,19 +77,19 @@ class OSDPPrecision(Precision):
 
 class OSDPGradScaler(ShardedGradScaler):
     """``ShardedGradScaler`` for a plan that mixes replicated and sharded parameters: it unscales the plain and the
-    DTensor gradients in separate calls of torch's fused check-and-unscale, which refuses a list mixing the two."""
+    DTensor gradients (those of each mesh apart) in separate calls of torch's fused check-and-unscale, which refuses
+    a list mixing them."""
 
     @override
     def _unscale_grads_(
         self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
     ) -> dict[torch.device, torch.Tensor]:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        sharded = [p for p in params if isinstance(p.grad, DTensor)]
-        plain = [p for p in params if not isinstance(p.grad, DTensor)]
-        if not sharded or not plain:
+        parts = parts_by_mesh(params)  # DTensors of hybrid_shard units are on a mesh of their own
+        if len(parts) < 2:
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         found: dict[torch.device, torch.Tensor] = {}
-        for part in (plain, sharded):
+        for part in parts:
             # The parent reads nothing of the optimizer but its `param_groups`.
             view = cast(Optimizer, SimpleNamespace(param_groups=[{"params": part}]))
             for device, flag in super()._unscale_grads_(view, inv_scale, found_inf, allow_fp16).items():

@@ -48,9 +48,11 @@ from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.plan import MODES, Plan, PlanError
 from lightning_osdp.precision import OSDPPrecision, osdp_precision
+from lightning_osdp.profiling.collectives import NodeGroups
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import StepMonitor
+from lightning_osdp.topology import Topology, TopologyError
 from lightning_osdp.watchdog import _OSDPSubprocessScriptLauncher
 
 if TYPE_CHECKING:
@@ -114,7 +116,8 @@ class OSDPStrategy(ParallelStrategy):
             that measures peak memory (it costs Python time per operator); 0 measures none. CUDA measures every
             step.
         modes: the modes the planner may choose from: ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP,
-            ``("shard_grad_op",)`` ZeRO-2.
+            ``("shard_grad_op",)`` ZeRO-2, ``("hybrid_shard",)`` HSDP (sharded within ``shard_group_size`` ranks,
+            replicated across such groups; on one node of one group it is ``full_shard``).
         max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
         activation_checkpointing: whether the planner may recompute a unit's activations in backward instead of
             keeping them (non-reentrant ``torch.utils.checkpoint`` around the unit's module, inside its FSDP2 unit):
@@ -135,6 +138,10 @@ class OSDPStrategy(ParallelStrategy):
             their parameters in bf16 and reduce-scatter gradients in fp32, as torchtitan trains) or a
             ``torch.distributed.fsdp.MixedPrecisionPolicy``. A policy that casts parameters goes with the autocast
             precision of its dtype, ``Trainer(precision="bf16-mixed")`` for bf16; see [Note: mixed precision].
+        shard_group_size: the ranks a ``hybrid_shard`` unit shards its parameters over (replicated across such
+            groups); ``None``: the ranks of one node (``devices``). It must divide the world size and hold whole nodes
+            or fit a whole number of times in one (checked when the Trainer is built; see
+            ``lightning_osdp/topology.py``).
 
     Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
     wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
@@ -164,6 +171,7 @@ class OSDPStrategy(ParallelStrategy):
         solver_time_limit: float = 10.0,
         memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
         mixed_precision: str | MixedPrecisionPolicy | None = None,
+        shard_group_size: int | None = None,
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
@@ -193,7 +201,10 @@ class OSDPStrategy(ParallelStrategy):
             timeout, solver_time_limit=self._solver_time_limit, planning=self._plan is None
         )
         self._start_method = options.check_start_method(start_method)
+        self._shard_group_size = options.check_shard_group_size(shard_group_size)
         self._device_mesh: DeviceMesh | None = None
+        self._hybrid_mesh: DeviceMesh | None = None
+        self._node_mesh: DeviceMesh | None = None
         self._memory_steps = options.check_memory_steps(memory_steps)
         self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
         self._monitor: StepMonitor | None = None
@@ -282,7 +293,7 @@ class OSDPStrategy(ParallelStrategy):
         if self._profile is not None:
             from lightning_osdp.cost_model import predict
 
-            predicted = predict(self._profile, self._plan, self.world_size)
+            predicted = predict(self._profile, self._plan, self.topology)
         measured = []
         if self.step_time is not None:
             guess = f" (predicted {predicted.step_seconds * 1e3:.1f} ms)" if predicted else ""
@@ -299,6 +310,26 @@ class OSDPStrategy(ParallelStrategy):
         if self._device_mesh is None:
             raise RuntimeError("the device mesh exists once the processes are initialised")
         return self._device_mesh
+
+    @property
+    def hybrid_mesh(self) -> DeviceMesh:
+        """The 2-D mesh ``(replicate, shard)`` of ``hybrid_shard`` units (see ``lightning_osdp/topology.py``)."""
+        if self._hybrid_mesh is None:
+            raise RuntimeError("the hybrid mesh exists once the processes are initialised")
+        return self._hybrid_mesh
+
+    @property
+    def topology(self) -> Topology:
+        """The run's nodes (``num_nodes``), ranks per node (``devices``) and ``hybrid_shard``'s shard group size: what
+        the planner's cost model prices the collectives with.
+
+        Raises:
+            TopologyError: ``shard_group_size`` does not tile the nodes.
+        """
+        try:
+            return Topology(self.num_nodes, max(self.num_processes, 1), self._shard_group_size)
+        except TopologyError as err:
+            raise TopologyError(f"OSDPStrategy(shard_group_size=...): {err}") from None
 
     # ------------------------------------------------------------------ Lightning's protocol
     @property
@@ -375,9 +406,33 @@ class OSDPStrategy(ParallelStrategy):
         init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("dp",))
+        device = self.root_device.type
+        self._device_mesh = init_device_mesh(device, (self.world_size,), mesh_dim_names=("dp",))
+        # Ranks are numbered node by node, and a mesh lays consecutive ranks along its last dim: rows are shard groups
+        # (nodes), columns replicate groups (one rank per node). See lightning_osdp/topology.py.
+        topology = self.topology
+        self._hybrid_mesh = init_device_mesh(
+            device, (topology.replicas, topology.shard_size), mesh_dim_names=("replicate", "shard")
+        )
+        if topology.nodes > 1:
+            self._node_mesh = (
+                self._hybrid_mesh
+                if topology.shard_size == topology.ranks_per_node
+                else init_device_mesh(
+                    device, (topology.nodes, topology.ranks_per_node), mesh_dim_names=("replicate", "shard")
+                )
+            )
+
+    def _node_groups(self) -> NodeGroups | None:
+        """This rank's groups within its node and across nodes, where the profile measures the two levels."""
+        if self._node_mesh is None:
+            return None
+        return NodeGroups(self.num_nodes, self._node_mesh.get_group("shard"), self._node_mesh.get_group("replicate"))
 
     def set_world_ranks(self) -> None:
+        # Lightning calls this when the Trainer is built, once `num_nodes` and `devices` are known: the earliest moment
+        # the shard group can be checked against them.
+        _ = self.topology
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
@@ -408,7 +463,9 @@ class OSDPStrategy(ParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model.to(self.root_device)
             plan = self._resolve_plan(trainer)
-            self._root = apply_plan(module, plan, mesh=self.device_mesh, mp_policy=self._mp_policy)
+            self._root = apply_plan(
+                module, plan, mesh=self.device_mesh, hybrid_mesh=self.hybrid_mesh, mp_policy=self._mp_policy
+            )
             # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
             object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
             self.model = self._root
@@ -426,12 +483,20 @@ class OSDPStrategy(ParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _resolve_plan(self, trainer: pl.Trainer) -> Plan:
-        """The plan given; else the plan of the checkpoint being resumed, if made for this world size and budget;
-        else profile the model and solve."""
+        """The plan given; else the plan of the checkpoint being resumed, if made for this world size, topology and
+        budget; else profile the model and solve."""
         if self._plan is not None:
             return self._plan
         choice = self._resume_choice()
-        if choice is not None:
+        planned_for = _planned_for(choice.plan, self.world_size) if choice is not None and choice.plan else None
+        here = self.topology
+        if planned_for is not None and planned_for != Topology(here.nodes, here.ranks_per_node, here.shard_size):
+            saved = planned_for.describe()
+            rank_zero_info(
+                f"OSDP: the checkpoint's plan was made for {saved} and this run is {self.topology.describe()}: "
+                "planning again (the checkpoint loads under the new plan)"
+            )
+        elif choice is not None:
             rank_zero_info(f"OSDP: {choice.reason}")
             if choice.plan is not None:
                 self._profile = ModelProfile.from_dict(choice.profile) if choice.profile else None
@@ -463,6 +528,7 @@ class OSDPStrategy(ParallelStrategy):
             "step_context": self.precision_plugin.train_step_context,
             # The ranks of this machine share its memory: measure the model in place only if a copy fits its share.
             "available_memory": device_memory_capacity(self.root_device, self.num_processes),
+            "node_groups": self._node_groups(),
         }
         # A collective: every rank profiles its replica, rank 0's figures are broadcast so all plan alike.
         if self._mp_policy is not None:
@@ -479,16 +545,17 @@ class OSDPStrategy(ParallelStrategy):
             else Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
         )
         if self.is_global_zero:
-            print(format_plan(plan, predict(profile, plan, self.world_size), budget=self._memory_budget))
+            print(format_plan(plan, predict(profile, plan, self.topology), budget=self._memory_budget))
             plan.save(out)
             profile.save(out.with_name(out.stem + ".profile.json"))
             rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
         return plan
 
-    def plan_for(self, profile: ModelProfile, world_size: int | None = None) -> Plan:
+    def plan_for(self, profile: ModelProfile, world_size: int | Topology | None = None) -> Plan:
         """The plan this strategy chooses for ``profile`` under its memory budget and planner options, on
-        ``world_size`` ranks (default: this run's): :func:`~lightning_osdp.solver.plan_model`, what ``setup`` runs on
-        rank 0 after profiling and what ``osdp plan`` runs with the same options."""
+        ``world_size`` ranks or a :class:`~lightning_osdp.topology.Topology` (default: this run's nodes and shard
+        groups): :func:`~lightning_osdp.solver.plan_model`, what ``setup`` runs on rank 0 after profiling and what
+        ``osdp plan`` runs with the same options."""
         from lightning_osdp.solver import plan_model
 
         if self._memory_budget is None:
@@ -498,7 +565,7 @@ class OSDPStrategy(ParallelStrategy):
         return plan_model(
             profile,
             self._memory_budget,
-            world_size or self.world_size,
+            world_size or self.topology,
             headroom=self._memory_headroom,
             modes=self._modes,
             max_split=self._max_split,
@@ -581,7 +648,7 @@ class OSDPStrategy(ParallelStrategy):
             return  # a plan given by hand has no prediction to check
         from lightning_osdp.cost_model import predict
 
-        prediction = predict(self._profile, self._plan, self.world_size)
+        prediction = predict(self._profile, self._plan, self.topology)
         self._prediction_check = check = prediction.check(
             self._monitor.peak_memory_bytes, self._monitor.step_time(skip=1)
         )
@@ -750,6 +817,18 @@ class OSDPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _planned_for(plan: Plan, world_size: int) -> Topology | None:
+    """The topology a saved plan was solved for, with its shard group size spelled out (``None``: unreadable). The
+    solver records it unless it was one node of one shard group; a plan reused on resume was made for this
+    ``world_size``."""
+    saved = plan.info.get("topology")
+    try:
+        topology = Topology.from_dict(saved) if isinstance(saved, dict) else Topology.flat(world_size)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return Topology(topology.nodes, topology.ranks_per_node, topology.shard_size)
 
 
 def _distributed_is_initialized() -> bool:

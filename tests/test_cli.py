@@ -33,6 +33,7 @@ from lightning_osdp.cli.hardware import (
 )
 from lightning_osdp.cli.model import build_on_meta, discover_cli_model, import_object, read_configs
 from lightning_osdp.cli.output import Output, plain_table
+from lightning_osdp.cost_model.network import Network
 
 from conftest import ROOT, child_env
 from models import TinyGPT, loaders
@@ -234,9 +235,14 @@ def test_ring_collective_figures() -> None:
     assert fits["all_gather"].seconds(size) == pytest.approx(
         COLLECTIVE_LAUNCH_SECONDS + 7 * link.hop_seconds + 7 / 8 * size / link.bus_bytes_per_second
     )
-    # 16 GPUs are two nodes: the ring runs at the network's bus bandwidth.
-    two_nodes = get_hardware("a100-80g-nvlink").figures(16, "bf16-mixed").collectives["all_gather"]
-    assert two_nodes.beta_bytes_per_second == pytest.approx(INFINIBAND_8X_HDR.bus_bytes_per_second * 16 / 15)
+    # 16 GPUs are two nodes: figures within a node, and across nodes one GPU's share of the node's network; the
+    # world's ring runs at the network's bus bandwidth (lightning_osdp/cost_model/network.py).
+    figures = get_hardware("a100-80g-nvlink").figures(16, "bf16-mixed")
+    assert figures.nodes == 2 and figures.collectives["all_gather"].world_size == 8
+    across = figures.inter_node_collectives["all_gather"]
+    assert (across.world_size, across.beta_bytes_per_second) == (2, INFINIBAND_8X_HDR.bus_bytes_per_second / 8 * 2)
+    world = Network(figures, figures.topology).fit("all_gather", figures.topology.world)
+    assert world.beta_bytes_per_second == pytest.approx(INFINIBAND_8X_HDR.bus_bytes_per_second * 16 / 15)
     # Precision picks the matmul rate: tensor cores for half precision, FP32 units for 32-true.
     a100 = HARDWARE["a100-80g-nvlink"]
     half = a100.figures(8, "bf16-mixed").rates.matmul_flops_per_second

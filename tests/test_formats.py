@@ -51,10 +51,12 @@ def test_a_version_1_profile_loads_with_its_figures_typed_and_predicts_the_same(
         prediction = predict(profile, plan, 2)
         assert prediction.peak_bytes == OLD_PREDICTION[name][0], name
         assert prediction.step_seconds == pytest.approx(OLD_PREDICTION[name][1], rel=1e-12), name
-    # Saved again, it is a version-2 file with top-level fields, and reads back equal.
+    # Saved again, it is a current file with top-level fields, and reads back equal; measured on one group of ranks, it
+    # is one node, with no across-node fits.
     path = profile.save(tmp_path / "profile.json")
     data = json.loads(path.read_text())
-    assert data["version"] == PROFILE_VERSION == 2 and data["forward_order"] == profile.forward_order
+    assert data["version"] == PROFILE_VERSION == 3 and data["forward_order"] == profile.forward_order
+    assert data["nodes"] == 1 and data["inter_node_collectives"] == {}
     assert data["rates"] == raw["info"]["rates"] and not moved & set(data["info"])
     assert ModelProfile.load(path) == profile
 
@@ -182,5 +184,5 @@ def test_a_profile_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     shutil.copy(DATA / "profile_v1.json", path)
     path.write_text(path.read_text().replace('"version": 1', '"version": 7', 1))
-    with pytest.raises(ValueError, match="not a lightning_osdp profile of version 1 or 2 .*version=7"):
+    with pytest.raises(ValueError, match="not a lightning_osdp profile of version 1, 2, 3 .*version=7"):
         ModelProfile.load(path)

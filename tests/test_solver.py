@@ -263,7 +263,8 @@ def test_the_report_records_how_the_plan_was_solved():
     assert isinstance(report, SolveReport)
     assert report.status == "optimal" or report.status.startswith(("within gap", "time limit"))
     assert report.world_size == 2 and report.budget_bytes == 2**30 and report.gap == 1e-3
-    assert report.modes == MODES and report.splits == (1, 2, 4, 8)
+    # On one node hybrid_shard's shard group is the world: it is full_shard, and left out of the choice.
+    assert report.modes == tuple(m for m in MODES if m != "hybrid_shard") and report.splits == (1, 2, 4, 8)
     assert report.planning_units == PlanningProblem(profile, 2).candidates.count and report.options > 0
     assert 0 <= report.cbc_seconds <= report.solve_seconds
     prediction = predict(profile, plan, 2)
@@ -285,7 +286,7 @@ def test_the_report_records_how_the_plan_was_solved():
         "ilp_step_seconds": report.ilp_step_seconds,
         "planning_units": report.planning_units,
         "options": report.options,
-        "modes": list(MODES),
+        "modes": list(report.modes),
         "splits": [1, 2, 4, 8],
         "recompute": "auto",
         "solve_seconds": report.solve_seconds,

@@ -5,8 +5,10 @@ refuses a list mixing ``torch.Tensor`` and ``DTensor`` ("got mixed torch.Tensor 
 mixed plan has (``no_shard`` parameters stay plain for DDP, sharded ones are DTensors). The total norm is the
 norm of the two partial norms: the DTensor part's norm is reduced over the mesh (``full_tensor``), the plain
 part's is the same on every rank (its gradients are already all-reduced). Each part is then scaled by the same
-coefficient with torch's own ``clip_grads_with_norm_``. Clipping by value (a clamp, element by element) meets the same
-refusal in its ``foreach`` call and is exact per part. OSDP's precision plugins (``lightning_osdp.precision``) clip
+coefficient with torch's own ``clip_grads_with_norm_``. DTensors on different meshes (``hybrid_shard`` units on the
+2-D mesh beside the others on the world's) cannot meet in one ``foreach`` call either: each mesh is its own part.
+Clipping by value (a clamp, element by element) meets the same refusal in its ``foreach`` call and is exact per
+part. OSDP's precision plugins (``lightning_osdp.precision``) clip
 with these functions when Lightning clips.
 """
 
@@ -19,7 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "parts_by_mesh"]
 
 
 def clip_grad_norm_(
@@ -35,30 +37,30 @@ def clip_grad_norm_(
     DTensor gradients it computes what torch's function computes.
     """
     params = [p for p in parameters if p.grad is not None]
-    sharded = [p for p in params if isinstance(p.grad, DTensor)]
-    plain = [p for p in params if not isinstance(p.grad, DTensor)]
+    parts = parts_by_mesh(params)
     norms: list[Tensor] = []
-    if sharded:
-        grads = [p.grad for p in sharded if p.grad is not None]
+    for part in parts:
+        grads = [p.grad for p in part if p.grad is not None]
         norm = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if plain:
-        grads = [p.grad for p in plain if p.grad is not None]
-        norms.append(get_total_norm(grads, norm_type, error_if_nonfinite, foreach))
     if not norms:
         return torch.tensor(0.0)
     total = norms[0] if len(norms) == 1 else get_total_norm(norms, norm_type, error_if_nonfinite, foreach)
-    for group in (plain, sharded):
-        if group:
-            clip_grads_with_norm_(group, max_norm, total, foreach)
+    for part in parts:
+        clip_grads_with_norm_(part, max_norm, total, foreach)
     return total
 
 
 def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float, foreach: bool | None = None) -> None:
     """``torch.nn.utils.clip_grad_value_`` for parameters that may mix plain tensors and DTensors: each gradient is
     clamped to ``[-clip_value, clip_value]``, the plain and the sharded ones in separate calls."""
-    params = [p for p in parameters if p.grad is not None]
-    for sharded in (False, True):
-        group = [p for p in params if isinstance(p.grad, DTensor) == sharded]
-        if group:
-            torch.nn.utils.clip_grad_value_(group, clip_value, foreach=foreach)
+    for part in parts_by_mesh([p for p in parameters if p.grad is not None]):
+        torch.nn.utils.clip_grad_value_(part, clip_value, foreach=foreach)
+
+
+def parts_by_mesh(params: list[Tensor]) -> list[list[Tensor]]:
+    """``params`` in parts one ``foreach`` call takes: the DTensor gradients per mesh, then the plain ones."""
+    parts: dict[object, list[Tensor]] = {}
+    for p in params:
+        parts.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return [part for mesh, part in parts.items() if mesh is not None] + [parts[None]] * (None in parts)

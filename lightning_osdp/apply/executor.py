@@ -29,6 +29,15 @@ exactly as Lightning's DDP strategy does (gradients as bucket views: no second c
 
 Which modules form one FSDP2 group (tied parameters, split slices) is decided in ``lightning_osdp/grouping.py``,
 for the executor and the cost model alike.
+
+[Note: units on two meshes]
+``full_shard`` and ``shard_grad_op`` units are ``fully_shard``ed on the 1-D world mesh, ``hybrid_shard`` units on the
+2-D mesh ``(replicate, shard)`` (FSDP2 reads a 2-D mesh as HSDP: ``Shard(0)`` along the shard dim, ``Replicate``
+along the other; its reduction reduce-scatters within the shard group and all-reduces the result across the
+replicate group). FSDP2 keeps the mesh per parameter group (``FSDPParamGroup.mesh_info``), and the root's lazy
+init only collects the groups under it: units on the two meshes live under one root, which stays on the world mesh
+(checked with gloo on 4 processes as 2 nodes of 2: losses and parameters match DDP, ``tests/test_hybrid.py``). DDP
+still reduces the plain ``no_shard`` parameters over the world, and ignores the DTensors of both meshes.
 """
 
 from __future__ import annotations
@@ -131,6 +140,7 @@ def apply_plan(
     *,
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
+    hybrid_mesh: DeviceMesh | None = None,
 ) -> OSDPModule | ReplicatedModule:
     """Shard ``module`` in place as ``plan`` says and return the module to train: the FSDP2 root
     :class:`OSDPModule` around it, within a :class:`ReplicatedModule` (DDP) when some trainable parameters are
@@ -143,9 +153,23 @@ def apply_plan(
         mesh: the 1-D data-parallel device mesh.
         mp_policy: FSDP2 mixed-precision policy for every unit (default: none; Lightning's precision plugin
             casts).
+        hybrid_mesh: the 2-D mesh ``(replicate, shard)`` of the ``hybrid_shard`` units (see [Note: units on two
+            meshes] and ``lightning_osdp/topology.py``); needed only when the plan has such units.
     """
     if mesh.ndim != 1:
         raise ValueError(f"apply_plan expects a 1-D data-parallel mesh, got {mesh}")
+    if any(d.mode == "hybrid_shard" for d in plan.decisions.values()):
+        if hybrid_mesh is None:
+            raise PlanError(
+                "the plan has hybrid_shard decisions, which shard within a group of ranks and replicate across the "
+                "groups: pass apply_plan(..., hybrid_mesh=...) a 2-D DeviceMesh with dims ('replicate', 'shard') "
+                "(OSDPStrategy builds it from the nodes and its shard_group_size)"
+            )
+        if hybrid_mesh.ndim != 2 or hybrid_mesh.size() != mesh.size():
+            raise ValueError(
+                f"apply_plan expects hybrid_mesh to be a 2-D mesh (replicate, shard) over the {mesh.size()} ranks of "
+                f"mesh, got {hybrid_mesh}"
+            )
     units = plan_units(module, plan)
     if all(d.mode == "no_shard" for d in plan.decisions.values()) and not any(
         p.requires_grad for p in module.parameters()
@@ -175,9 +199,9 @@ def apply_plan(
     def shard(target: nn.Module, others: list[nn.Module], mode: str, *, releases: bool = True) -> None:
         fully_shard(
             [target, *others] if others else target,
-            reshard_after_forward=(mode == "full_shard"),
+            reshard_after_forward=mode in ("full_shard", "hybrid_shard"),
             ignored_params=set(plain),
-            **kwargs,
+            **{**kwargs, **({"mesh": hybrid_mesh} if mode == "hybrid_shard" else {})},
         )
         if reduce_scatter is not None:
             target.set_custom_reduce_scatter(reduce_scatter)  # type: ignore[operator]

@@ -25,10 +25,19 @@ constant in ``N``). So with ``busbw`` the link's bus bandwidth::
     all_gather, reduce_scatter:  t = launch + (N - 1) * hop     + (N - 1) / N * S / busbw
     all_reduce:                  t = launch + 2 * (N - 1) * hop + 2 * (N - 1) / N * S / busbw
 
-A ring spanning several nodes runs at the slower of the node's NVLink/PCIe and its network links; of its hops, one
-per node crosses the network and the others stay within a node, each at its own link's latency
-(:func:`spanning_ring`). NCCL's tree and NVLS algorithms beat the ring at some sizes and scales: this model is
+A ring spanning several nodes runs at the slower of the node's NVLink/PCIe and its network links, and pays the
+slower link's hop latency. NCCL's tree and NVLS algorithms beat the ring at some sizes and scales: this model is
 conservative there.
+
+[Note: the network between nodes]
+On several nodes the figures come in two levels, as a profile measures them (``lightning_osdp/cost_model/network.py``):
+ring fits within a node over ``intra``, and ring fits across nodes for one rank per node, at that rank's share of the
+node's network (the network's bus bandwidth over the ranks sharing its NICs: one NIC per GPU in a DGX, one for the
+whole node in a cloud PCIe server). The cost model prices every other group from the two: the world's ring at the
+node's whole network (or its NVLink/PCIe if slower), ``hybrid_shard``'s all-reduce across nodes at one rank's share.
+The built-in networks (:data:`NETWORKS`) are line rates of the network cards a server ships with, times the share of
+it NCCL's large collectives reach (~90% over InfiniBand's RDMA, ~70% over TCP sockets); ``--network`` picks one for
+any ``--hardware``.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,20 +54,22 @@ from lightning_osdp.cli.errors import CLIError
 if TYPE_CHECKING:
     from lightning_osdp.cli.output import Output
     from lightning_osdp.profiling import CollectiveFit, DeviceRates
+    from lightning_osdp.topology import Topology
 
 # NOTE: the `osdp` parser lists HARDWARE's names, and it imports no torch (cli/parsers.py): this module imports
 # lightning_osdp.profiling (torch) inside the functions that build figures, not here.
 
 __all__ = [
     "HARDWARE",
+    "NETWORKS",
     "Hardware",
     "HardwareFigures",
     "Link",
     "get_hardware",
+    "get_network",
     "hardware_from_file",
     "ring_collectives",
     "run",
-    "spanning_ring",
 ]
 
 GB = 1e9
@@ -87,13 +98,25 @@ class Link:
 
     Attributes:
         name: what it is, for the report.
-        bus_bytes_per_second: NCCL bus bandwidth of large collectives over it (bytes/s, ``nccl-tests`` busbw).
+        bus_bytes_per_second: NCCL bus bandwidth of large collectives over it (bytes/s, ``nccl-tests`` busbw); for a
+            network between nodes, the whole node's (all its NICs).
         hop_seconds: latency of one ring step over it.
+        nics: network cards per node it counts (between nodes: a rank sends through its own card when there are as
+            many as ranks, else the ranks share them; see [Note: the network between nodes]).
+        source: where the figure comes from.
     """
 
     name: str
     bus_bytes_per_second: float
     hop_seconds: float
+    nics: int = 1
+    source: str = ""
+
+    def rank_share(self, ranks_per_node: int) -> Link:
+        """The link as one of ``ranks_per_node`` ranks that all send across nodes at once sees it."""
+        used = min(self.nics, ranks_per_node)
+        bus = self.bus_bytes_per_second * used / self.nics / ranks_per_node
+        return Link(f"{self.name}, one rank's share of {ranks_per_node}", bus, self.hop_seconds, 1, self.source)
 
 
 # Bus bandwidths are of the order public nccl-tests results report for 8 GPUs (all_reduce busbw, large messages),
@@ -106,12 +129,56 @@ PCIE4_NO_P2P = Link("PCIe 4.0 x16 without peer-to-peer, through host memory", 8 
 PCIE4 = Link("PCIe 4.0 x16", 10 * GB, 3e-6)
 # Multi-node rings cross the network once per node; the node's bus bandwidth is then about its aggregate network
 # bandwidth: 8 x 200 Gb/s HDR InfiniBand (DGX A100) = 200 GB/s, 8 x 400 Gb/s NDR (DGX H100) = 400 GB/s, ~90% used.
-INFINIBAND_8X_HDR = Link("8 x 200 Gb/s HDR InfiniBand per node", 180 * GB, 5e-6)
-INFINIBAND_8X_NDR = Link("8 x 400 Gb/s NDR InfiniBand per node", 360 * GB, 5e-6)
+INFINIBAND_8X_HDR = Link(
+    "8 x 200 Gb/s HDR InfiniBand per node",
+    180 * GB,
+    5e-6,
+    nics=8,
+    source="NVIDIA DGX A100 user guide: 8 single-port ConnectX-6 HDR 200 Gb/s for the compute fabric (25 GB/s "
+    "each); 90% of the line rate",
+)
+INFINIBAND_8X_NDR = Link(
+    "8 x 400 Gb/s NDR InfiniBand per node",
+    360 * GB,
+    5e-6,
+    nics=8,
+    source="NVIDIA DGX BasePOD reference architecture (DGX H100/H200): 8 single-port ConnectX-7 at 400 Gb/s "
+    "(50 GB/s each); 90% of the line rate",
+)
+# One 200 Gb/s HCA per node: smaller clusters, and many cloud instances.
+INFINIBAND_1X_HDR = Link(
+    "1 x 200 Gb/s HDR InfiniBand per node",
+    22.5 * GB,
+    5e-6,
+    nics=1,
+    source="one ConnectX-6 HDR card at 200 Gb/s (25 GB/s) shared by the node's GPUs; 90% of the line rate",
+)
 # Meta's Grand Teton hosts (torchtitan's H100 figures): a 400 Gb/s RDMA (RoCE) network per GPU, the same bandwidth.
-ROCE_8X_400G = Link("8 x 400 Gb/s RDMA (RoCE) per node", 360 * GB, 5e-6)
+ROCE_8X_400G = Link(
+    "8 x 400 Gb/s RDMA (RoCE) per node",
+    360 * GB,
+    5e-6,
+    nics=8,
+    source="torchtitan's H100 runs on Meta's Grand Teton hosts: 8 x 400 Gb/s RoCE NICs per node (50 GB/s each); 90% "
+    "of the line rate",
+)
 # Cloud PCIe servers (AWS g5/g6.48xlarge) have one 100 Gb/s network; NCCL over TCP sockets uses part of it.
-ETHERNET_100G = Link("100 Gb/s Ethernet (NCCL over sockets)", 9 * GB, 30e-6)
+ETHERNET_100G = Link(
+    "100 Gb/s Ethernet (NCCL over sockets)",
+    9 * GB,
+    30e-6,
+    nics=1,
+    source="AWS EC2 G5 and G6 instance pages: 100 Gbps networking on the 48xlarge sizes (12.5 GB/s); ~70% of it "
+    "over NCCL's TCP sockets",
+)
+
+#: The built-in networks between nodes, by ``osdp plan --network`` name.
+NETWORKS: dict[str, Link] = {
+    "ib-ndr-8x": INFINIBAND_8X_NDR,
+    "ib-hdr-8x": INFINIBAND_8X_HDR,
+    "ib-hdr-1x": INFINIBAND_1X_HDR,
+    "eth-100g": ETHERNET_100G,
+}
 
 
 @dataclass(frozen=True)
@@ -142,21 +209,29 @@ class Hardware:
     inter: Link | None
     source: str
 
-    def figures(self, world_size: int, precision: str) -> HardwareFigures:
-        """Rates and collective fits of ``world_size`` of these GPUs training at ``precision``."""
+    def figures(
+        self, world_size: int, precision: str, *, nodes: int | None = None, network: Link | None = None
+    ) -> HardwareFigures:
+        """Rates and collective fits of ``world_size`` of these GPUs training at ``precision``, on ``nodes`` nodes
+        (default: as few as hold them) joined by ``network`` (default: the entry's own, ``inter``)."""
         from lightning_osdp.profiling import DeviceRates
 
         if world_size < 1:
             raise CLIError(f"world size must be at least 1, got {world_size}")
-        nodes = math.ceil(world_size / self.gpus_per_node)
-        if nodes > 1 and self.inter is None:
+        nodes = nodes or math.ceil(world_size / self.gpus_per_node)
+        per_node = world_size // nodes
+        if world_size % nodes or per_node > self.gpus_per_node:
+            raise CLIError(
+                f"hardware {self.name!r} has {self.gpus_per_node} GPUs per node: {world_size} GPUs on {nodes} nodes "
+                "is not a whole number of them per node; give --nodes N --gpus-per-node G"
+            )
+        inter = network or self.inter
+        if nodes > 1 and inter is None:
             raise CLIError(
                 f"hardware {self.name!r} is one machine of {self.gpus_per_node} GPUs; world size {world_size} needs "
-                f"{nodes} machines and no network is described for it (use --hardware-profile with measured figures)"
+                f"{nodes} machines and no network is described for it: give --network NAME (known: "
+                f"{', '.join(NETWORKS)}), or --hardware-profile with measured figures"
             )
-        link = (
-            self.intra if nodes == 1 or self.inter is None else spanning_ring(self.intra, self.inter, world_size, nodes)
-        )
         half = precision.startswith(("bf16", "16"))
         flops = (self.half_flops * MATMUL_EFFICIENCY_HALF) if half else (self.fp32_flops * MATMUL_EFFICIENCY_FP32)
         bandwidth = self.memory_bytes_per_second * MEMORY_EFFICIENCY
@@ -168,11 +243,9 @@ class Hardware:
             memory_op_seconds=MEMORY_OP_SECONDS,
             memory_bytes_per_second=bandwidth,
         )
-        where = (
-            self.intra.name
-            if nodes == 1 or self.inter is None
-            else f"{nodes} nodes: {self.intra.name}; between nodes {self.inter.name}"
-        )
+        where = self.intra.name
+        if nodes > 1 and inter is not None:
+            where = f"{nodes} nodes of {per_node}: {self.intra.name}; between nodes {inter.name}"
         return HardwareFigures(
             name=self.name,
             device=f"cuda ({self.gpu}, estimated from built-in figures)",
@@ -180,8 +253,12 @@ class Hardware:
             rates=rates,
             # A device-to-device copy reads and writes every byte: half the DRAM bandwidth.
             copy_bytes_per_second=bandwidth / 2,
-            collectives=ring_collectives(world_size, link),
+            collectives=ring_collectives(per_node, self.intra),
             description=f"{world_size} x {self.gpu} ({where})",
+            inter_node_collectives=(
+                ring_collectives(nodes, inter.rank_share(per_node)) if nodes > 1 and inter is not None else {}
+            ),
+            nodes=nodes,
         )
 
 
@@ -196,8 +273,11 @@ class HardwareFigures:
         memory_bytes: device memory, when known (the default budget is this less a reserve).
         rates: compute and memory rates of the estimated mode.
         copy_bytes_per_second: bandwidth of FSDP2's own copies.
-        collectives: ``all_gather``, ``reduce_scatter``, ``all_reduce`` fits at this world size.
+        collectives: ``all_gather``, ``reduce_scatter``, ``all_reduce`` fits within a node (on one node: the world).
         description: one line for the report.
+        inter_node_collectives: the same fits across nodes, for one rank per node at its share of the network
+            (empty on one node; see [Note: the network between nodes]).
+        nodes: nodes of the world.
     """
 
     name: str
@@ -207,19 +287,16 @@ class HardwareFigures:
     copy_bytes_per_second: float
     collectives: dict[str, CollectiveFit]
     description: str
+    inter_node_collectives: dict[str, CollectiveFit] = field(default_factory=dict)
+    nodes: int = 1
 
+    @property
+    def topology(self) -> Topology:
+        """The nodes and ranks per node the figures are for."""
+        from lightning_osdp.topology import Topology
 
-def spanning_ring(intra: Link, inter: Link, world_size: int, nodes: int) -> Link:
-    """The link a ring of ``world_size`` GPUs over ``nodes`` nodes behaves as (see [Note: the collective model]): the
-    slower link's bus bandwidth, and per hop the average latency of its ``world_size - nodes`` hops within nodes and
-    ``nodes`` hops between them."""
-    hops = max(world_size - 1, 1)
-    hop = ((world_size - nodes) * intra.hop_seconds + nodes * inter.hop_seconds) / hops
-    return Link(
-        f"{intra.name} within nodes, {inter.name} between them",
-        min(intra.bus_bytes_per_second, inter.bus_bytes_per_second),
-        hop,
-    )
+        per_node = next(iter(self.collectives.values())).world_size if self.collectives else 1
+        return Topology(self.nodes, per_node)
 
 
 def ring_collectives(world_size: int, link: Link) -> dict[str, CollectiveFit]:
@@ -328,6 +405,14 @@ HARDWARE: dict[str, Hardware] = {
 }  # fmt: skip
 
 
+def get_network(name: str) -> Link:
+    """The built-in network between nodes ``name``; the error lists the known names."""
+    try:
+        return NETWORKS[name.lower()]
+    except KeyError:
+        raise CLIError(f"unknown network {name!r}; known: {', '.join(NETWORKS)}") from None
+
+
 def get_hardware(name: str) -> Hardware:
     """The built-in entry ``name``; the error lists the known names."""
     try:
@@ -338,12 +423,18 @@ def get_hardware(name: str) -> Hardware:
         ) from None
 
 
-def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
+def hardware_from_file(
+    path: str | Path, world_size: int, *, nodes: int | None = None, network: Link | None = None
+) -> HardwareFigures:
     """Figures measured on a real machine, from a saved profile (``osdp_plan.profile.json``, which the strategy
-    writes beside the plan) or a hardware file of the same fields.
+    writes beside the plan) or a hardware file of the same fields, for ``world_size`` ranks on ``nodes`` nodes
+    (default: one, or as many as hold the world at the profile's ranks per node when it was measured on several).
 
     The profile's collective fits are used as measured when its world size equals ``world_size``; otherwise their
-    bus bandwidth (see [Note: the collective model]) is carried over to ``world_size``, and their latency kept.
+    bus bandwidth (see [Note: the collective model]) is carried over to ``world_size``, and their latency kept. On
+    several nodes its within-node fits are carried over to the ranks of one node, and its across-node fits (a
+    profile from several nodes) to the nodes; a profile of one node has none, and ``network`` (a built-in
+    :data:`NETWORKS` entry) stands in for them (when given, it replaces measured ones too).
     Rates: the ``"rates"`` an estimated profile records; a measured profile has none, so the matmul rate is fitted
     to its modules' FLOPs and times (a module's forward and backward do about three times its forward FLOPs), and
     the memory rate taken from its measured copy bandwidth (a copy reads and writes: twice the bytes). The rates
@@ -368,7 +459,26 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
             f"{path}: its collectives were measured on one rank, where nothing is communicated; use a profile "
             "from a run on several ranks"
         )
-    collectives = {op: _rescaled(fit, world_size) for op, fit in measured.items()}
+    measured_nodes = int(data.get("nodes") or 1)
+    measured_per_node = max(int(data.get("world_size") or 1) // measured_nodes, 1)
+    if nodes is None:
+        fits_nodes = measured_nodes > 1 and world_size % measured_per_node == 0
+        nodes = world_size // measured_per_node if fits_nodes else 1
+    if nodes < 1 or world_size % nodes:
+        raise CLIError(f"{world_size} ranks on {nodes} nodes is not a whole number of ranks per node")
+    per_node = world_size // nodes
+    collectives = {op: _rescaled(fit, per_node) for op, fit in measured.items()}
+    across: dict[str, CollectiveFit] = {}
+    raw_across = data.get("inter_node_collectives") or {}
+    if nodes > 1 and all(op in raw_across for op in COLLECTIVE_OPS) and network is None:
+        across = {op: _rescaled(CollectiveFit(**{**raw_across[op], "samples": []}), nodes) for op in COLLECTIVE_OPS}
+    elif nodes > 1 and network is not None:
+        across = ring_collectives(nodes, network.rank_share(per_node))
+    elif nodes > 1:
+        raise CLIError(
+            f"{path}: measured on one node, it has no figures for the network between nodes; give --network NAME "
+            f"(known: {', '.join(NETWORKS)}) for {nodes} nodes"
+        )
     # A version-2 profile has these as fields; version 1 and hand-written files kept them under "info".
     copy_rate = float(data.get("copy_bytes_per_second") or info.get("copy_bytes_per_second") or 0.0)
     given_rates = data.get("rates") or info.get("rates")
@@ -380,7 +490,10 @@ def hardware_from_file(path: str | Path, world_size: int) -> HardwareFigures:
         rates=rates,
         copy_bytes_per_second=copy_rate or rates.memory_bytes_per_second / 2,
         collectives=collectives,
-        description=f"{world_size} x {data.get('device', '?')} (figures from {path})",
+        description=f"{world_size} x {data.get('device', '?')} (figures from {path}"
+        + (f"; {nodes} nodes, between them {network.name})" if network is not None and nodes > 1 else ")"),
+        inter_node_collectives=across,
+        nodes=nodes,
     )
 
 
@@ -413,14 +526,21 @@ def _rates_from_measured_modules(data: dict[str, Any], copy_rate: float, path: P
 # ------------------------------------------------------------------------------------------ osdp hardware
 def run(args: argparse.Namespace, out: Output) -> int:
     """Run ``osdp hardware``; returns the exit status."""
+    from lightning_osdp.cost_model.network import Network
+
     size = 64 * 2**20
     rows = []
     for hw in HARDWARE.values():
-        figures = hw.figures(args.world_size, "bf16-mixed") if hw.inter or args.world_size <= hw.gpus_per_node else None
+        try:
+            figures = hw.figures(args.world_size, "bf16-mixed")
+        except CLIError:  # one machine, or not a whole number of GPUs per node
+            figures = None
         if figures is None:
             times = ["-", "-"]
         else:
-            times = [f"{figures.collectives[op].seconds(size) * 1e3:.2f}" for op in ("all_gather", "all_reduce")]
+            world = figures.topology.world
+            network = Network(figures, figures.topology)
+            times = [f"{network.seconds(op, size, world) * 1e3:.2f}" for op in ("all_gather", "all_reduce")]
         rows.append(
             [
                 hw.name,
@@ -458,5 +578,15 @@ def run(args: argparse.Namespace, out: Output) -> int:
         rows,
         right=list(range(2, 10)),
         notes=notes,
+    )
+    out.table(
+        "Built-in networks between nodes (osdp plan --network NAME)",
+        ["name", "network", "busbw GB/s per node", "NICs", "hop us"],
+        [
+            [name, link.name, f"{link.bus_bytes_per_second / GB:.1f}", str(link.nics), f"{link.hop_seconds * 1e6:.0f}"]
+            for name, link in NETWORKS.items()
+        ],
+        right=[2, 3, 4],
+        notes=[f"{name}: {link.source}" for name, link in NETWORKS.items()],
     )
     return 0

@@ -48,7 +48,8 @@ class RunConfig:
         precision: ``trainer.precision`` (``"bf16-fsdp"``: ``bf16-mixed`` with the strategy's
             ``mixed_precision: bf16``).
         world_size: ``trainer.devices`` times ``trainer.num_nodes``, when both are numbers.
-        memory_budget, memory_headroom, modes, max_split: the OSDP strategy's init args.
+        nodes: ``trainer.num_nodes``, when ``world_size`` is known.
+        memory_budget, memory_headroom, modes, max_split, shard_group_size: the OSDP strategy's init args.
         sources: the config files read.
     """
 
@@ -57,6 +58,8 @@ class RunConfig:
     batch_size: int | None = None
     precision: str | None = None
     world_size: int | None = None
+    nodes: int | None = None
+    shard_group_size: int | None = None
     memory_budget: int | str | None = None
     memory_headroom: float | None = None
     modes: list[str] | None = None
@@ -142,6 +145,7 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
     nodes = trainer.get("num_nodes", 1)
     if devices is not None and isinstance(nodes, int) and nodes > 0:
         config.world_size = devices * nodes
+        config.nodes = nodes
     strategy_class, strategy_args = _section(trainer.get("strategy"))
     if strategy_class is not None and (strategy_class == "osdp" or strategy_class.endswith("OSDPStrategy")):
         config.memory_budget = strategy_args.get("memory_budget")
@@ -154,6 +158,8 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
             config.max_split = strategy_args["max_split"]
         if strategy_args.get("mixed_precision") == "bf16" and config.precision in ("bf16-mixed", "bf16"):
             config.precision = "bf16-fsdp"  # the dry run's name for bf16-mixed under FSDP2's policy
+        if isinstance(strategy_args.get("shard_group_size"), int):
+            config.shard_group_size = strategy_args["shard_group_size"]
     return config
 
 

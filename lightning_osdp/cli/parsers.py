@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lightning_osdp.cli.hardware import HARDWARE
+from lightning_osdp.cli.hardware import HARDWARE, NETWORKS
 
 # NOTE: lightning_osdp.solver.policy.DEFAULT_MEMORY_HEADROOM, written out: importing it would import torch (a test
 # keeps the two equal).
@@ -54,7 +54,7 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
 }
 
 #: ``lightning_osdp.plan.MODES``, spelled out here because that module imports torch (a test checks they agree).
-MODE_NAMES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard")
+MODE_NAMES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
 
 # ``format_bytes(lightning_osdp.budget.CUDA_RESERVE_BYTES)``, for the same reason (a test checks they agree).
 _CUDA_RESERVE = "2.00 GiB"
@@ -71,8 +71,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "plan",
         help="dry-run OSDP, DDP, ZeRO-2 and FSDP for a model on given hardware (no GPU needed)",
         description="Will it fit, and how fast? Profile a model on fake tensors with the target hardware's figures,\n"
-        "solve the OSDP plan under a per-device memory budget, and compare it with DDP, ZeRO-2 and FSDP,\n"
-        "with the largest batch size each fits. Needs no GPU and no cluster.",
+        "solve the OSDP plan under a per-device memory budget, and compare it with DDP, ZeRO-2 and FSDP\n"
+        "(and HSDP on several nodes), with the largest batch size each fits. Needs no GPU and no cluster.",
         epilog=_PLAN_EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -119,6 +119,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--world-size", type=int, metavar="N", help="number of GPUs (default: config devices x num_nodes)"
     )
     machine.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="machines (with --gpus-per-node; world size N x G, default: as few as hold --world-size)",
+    )
+    machine.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs of each machine (with --nodes)")
+    machine.add_argument(
+        "--network",
+        metavar="NAME",
+        help=f"built-in network between nodes: {', '.join(NETWORKS)} (default: the --hardware entry's)",
+    )
+    machine.add_argument(
         "--memory",
         metavar="BYTES",
         help="per-device memory budget, e.g. 24GiB (default: the config's, else the GPU's memory "
@@ -135,6 +147,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--modes", metavar="M[,M...]", help=f"modes OSDP may choose (default: all of {', '.join(MODE_NAMES)})"
     )
     planner.add_argument("--max-split", type=int, metavar="K", help="largest operator-splitting factor (default 8)")
+    planner.add_argument(
+        "--shard-group-size",
+        type=int,
+        metavar="S",
+        help="ranks a hybrid_shard unit shards over, as OSDPStrategy(shard_group_size=...) (default: one node's)",
+    )
     planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
     planner.add_argument(
         "--headroom",

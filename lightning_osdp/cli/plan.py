@@ -3,8 +3,13 @@
 The model is built on the meta device (a billion parameters cost no memory), profiled on fake tensors with the
 target hardware's rates (``estimate.py``, ``hardware.py``), and planned by the same solver the strategy runs.
 Beside the OSDP plan it predicts the plain strategies OSDP chooses among, each applied uniformly with one unit per
-block as Lightning users wrap them (``Plan.uniform``): DDP (all ``no_shard``), ZeRO-2 (all ``shard_grad_op``) and
-FSDP (all ``full_shard``); and for each the largest per-device batch size whose predicted peak fits the budget.
+block as Lightning users wrap them (``Plan.uniform``): DDP (all ``no_shard``), ZeRO-2 (all ``shard_grad_op``), FSDP
+(all ``full_shard``) and, on several nodes, HSDP (all ``hybrid_shard``); and for each the largest per-device batch
+size whose predicted peak fits the budget.
+
+Several nodes: ``--nodes N --gpus-per-node G`` (or a ``--world-size`` larger than one machine of the ``--hardware``
+entry); the network between them is the entry's own or ``--network NAME`` (``hardware.py``'s [Note: the network
+between nodes]).
 
 Example, a GPT-2-XL-shaped model (1.3B parameters) on 8 GeForce RTX 4090s::
 
@@ -16,10 +21,11 @@ Example, a GPT-2-XL-shaped model (1.3B parameters) on 8 GeForce RTX 4090s::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +35,7 @@ from lightning_osdp.budget import CUDA_RESERVE_BYTES, format_bytes, parse_memory
 from lightning_osdp.cli.batch import BatchSource, batch_source
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile, largest_batch
-from lightning_osdp.cli.hardware import HARDWARE, HardwareFigures, get_hardware, hardware_from_file
+from lightning_osdp.cli.hardware import HARDWARE, HardwareFigures, get_hardware, get_network, hardware_from_file
 from lightning_osdp.cli.model import (
     RunConfig,
     build_on_meta,
@@ -46,15 +52,18 @@ from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
+from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "DryRun", "StrategyFigures", "run"]
 
 #: The uniform strategies compared with OSDP: (name, mode, every block recomputed). "+AC": activation checkpointing
-#: of every block, as Lightning users configure it by hand.
+#: of every block, as Lightning users configure it by hand. HSDP only where its shard groups are not the world (on
+#: one node of one group it is FSDP).
 BASELINES: tuple[tuple[str, str, bool], ...] = (
     ("DDP", "no_shard", False),
     ("ZeRO-2", "shard_grad_op", False),
     ("FSDP", "full_shard", False),
+    ("HSDP", "hybrid_shard", False),
     ("DDP+AC", "no_shard", True),
     ("ZeRO-2+AC", "shard_grad_op", True),
     ("FSDP+AC", "full_shard", True),
@@ -71,6 +80,7 @@ class DryRun:
     init_args: dict[str, Any]
     figures: HardwareFigures
     world_size: int
+    topology: Topology
     budget: int
     budget_source: str
     headroom: float
@@ -82,6 +92,8 @@ class DryRun:
     modes: tuple[str, ...]
     max_split: int
     time_limit: float
+    #: wall seconds of the stages, for the closing note (profiling, the OSDP solve, the batch search)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def planned_budget(self) -> int:
@@ -174,9 +186,14 @@ def _modes(text: str | None, config: RunConfig) -> tuple[str, ...]:
 def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     """Read the options and configs, build the model on the meta device; every user error is a :class:`CLIError`."""
     config = read_configs(args.config)
-    world_size = args.world_size or config.world_size
+    nodes = _nodes(args, config)
+    world_size = nodes * args.gpus_per_node if args.nodes is not None else (args.world_size or config.world_size)
     if not world_size or world_size < 1:
-        raise CLIError("give --world-size N (the number of GPUs), or a config whose trainer.devices is a number")
+        raise CLIError(
+            "give --world-size N (the number of GPUs), --nodes N --gpus-per-node G, or a config whose trainer.devices "
+            "is a number"
+        )
+    network = get_network(args.network) if args.network else None
     precision_flag = args.precision or config.precision or "32-true"
     if precision_flag not in PRECISIONS:
         raise CLIError(
@@ -186,11 +203,16 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     if args.hardware and args.hardware_profile:
         raise CLIError("give --hardware or --hardware-profile, not both")
     if args.hardware:
-        figures = get_hardware(args.hardware).figures(world_size, precision)
+        figures = get_hardware(args.hardware).figures(world_size, precision, nodes=nodes, network=network)
     elif args.hardware_profile:
-        figures = hardware_from_file(args.hardware_profile, world_size)
+        figures = hardware_from_file(args.hardware_profile, world_size, nodes=nodes, network=network)
     else:
         raise CLIError(f"give --hardware NAME (known: {', '.join(HARDWARE)}) or --hardware-profile FILE")
+    shard_group_size = args.shard_group_size if args.shard_group_size is not None else config.shard_group_size
+    try:
+        topology = Topology(figures.nodes, world_size // figures.nodes, shard_group_size)
+    except TopologyError as err:
+        raise CLIError(f"--shard-group-size: {err}") from None
     memory = args.memory if args.memory is not None else config.memory_budget
     try:
         if memory is not None:
@@ -227,6 +249,7 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         init_args=init_args,
         figures=figures,
         world_size=world_size,
+        topology=topology,
         budget=budget,
         budget_source=budget_source,
         headroom=headroom,
@@ -241,24 +264,50 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     )
 
 
+def _nodes(args: argparse.Namespace, config: RunConfig) -> int | None:
+    """``--nodes`` (checked with ``--gpus-per-node`` and ``--world-size``), else the config's ``num_nodes`` when more
+    than one, else ``None`` (as many as the hardware needs)."""
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        raise CLIError("give --nodes N and --gpus-per-node G together (the world size is N x G)")
+    if args.nodes is None:
+        return config.nodes if config.nodes and config.nodes > 1 and not args.world_size else None
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise CLIError(f"--nodes and --gpus-per-node must be at least 1, got {args.nodes} and {args.gpus_per_node}")
+    if args.world_size and args.world_size != args.nodes * args.gpus_per_node:
+        raise CLIError(
+            f"--world-size {args.world_size} is not --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node}; "
+            "give one or the other"
+        )
+    return int(args.nodes)
+
+
 def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
     plugin = _precision_plugin(run.precision)
     model = plugin.convert_module(run.model) if run.precision.endswith("-true") else run.model
     profiles = []
+    started = time.perf_counter()
     for size in (run.batch_size, 2 * run.batch_size):
         with out.step(f"profiling {run.model_name} at batch {size} (fake tensors, estimated)"):
+            profile = estimated_profile(
+                model,
+                run.batch.make(size),
+                run.figures,
+                step=run.batch.step,
+                optimizer=run.optimizer,
+                step_context=plugin.train_step_context,
+                batch_source=run.batch.description,
+                mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
+            )
+            # The figures' two levels: within a node (what the profiler recorded) and across nodes.
             profiles.append(
-                estimated_profile(
-                    model,
-                    run.batch.make(size),
-                    run.figures,
-                    step=run.batch.step,
-                    optimizer=run.optimizer,
-                    step_context=plugin.train_step_context,
-                    batch_source=run.batch.description,
-                    mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
+                dataclasses.replace(
+                    profile,
+                    world_size=run.world_size,
+                    nodes=run.figures.nodes,
+                    inter_node_collectives=dict(run.figures.inter_node_collectives),
                 )
             )
+    run.seconds["profiling"] = time.perf_counter() - started
     return BatchScaledProfile(profiles[0], run.batch_size, profiles[1], 2 * run.batch_size)
 
 
@@ -266,7 +315,7 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
     return plan_model(
         profile,
         run.budget,
-        run.world_size,
+        run.topology,
         headroom=run.headroom,
         modes=run.modes,
         max_split=run.max_split,
@@ -278,7 +327,7 @@ def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]
     def fits(batch_size: int) -> bool:
         smallest = smallest_memory_budget(
             scaled.at(batch_size),
-            run.world_size,
+            run.topology,
             headroom=run.headroom,
             modes=run.modes,
             max_split=run.max_split,
@@ -305,20 +354,25 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
     batch size under the budget. Raises :class:`CLIError` when no plan fits at the requested batch size."""
     profile = scaled.at(run.batch_size)
     infeasible: InfeasibleBudgetError | None = None
+    started = time.perf_counter()
     with out.step(f"solving the OSDP plan under {format_bytes(run.budget)} per device"):
         try:
             osdp_plan = _solve(run, profile)
         except InfeasibleBudgetError as err:
             infeasible = err
+    run.seconds["solve"] = time.perf_counter() - started
     if infeasible is not None:  # outside the step above: one progress display at a time
         raise _infeasible(run, infeasible, scaled, out) from None
-    rows = [StrategyFigures("OSDP", osdp_plan, predict(profile, osdp_plan, run.world_size))]
+    rows = [StrategyFigures("OSDP", osdp_plan, predict(profile, osdp_plan, run.topology))]
     for name, mode, recompute in BASELINES:
+        if mode == "hybrid_shard" and run.topology.replicas == 1:
+            continue  # one shard group: HSDP is FSDP
         plan = Plan.uniform(run.model, mode, recompute=recompute)
         plan.info["source"] = f"uniform {mode}{' +recompute' if recompute else ''} ({name})"
-        rows.append(StrategyFigures(name, plan, predict(profile, plan, run.world_size)))
+        rows.append(StrategyFigures(name, plan, predict(profile, plan, run.topology)))
     if not search:
         return rows
+    started = time.perf_counter()
     with out.step("searching the largest batch size under the budget for each strategy"):
         for row in rows:
             fits = _fits_osdp(run, scaled) if row.name == "OSDP" else _fits_plan(run, scaled, row.plan)
@@ -326,12 +380,13 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
             if row.max_batch:
                 at_max = scaled.at(row.max_batch)
                 plan = _solve(run, at_max) if row.name == "OSDP" else row.plan
-                row.max_batch_seconds = predict(at_max, plan, run.world_size).step_seconds
+                row.max_batch_seconds = predict(at_max, plan, run.topology).step_seconds
+    run.seconds["batch search"] = time.perf_counter() - started
     return rows
 
 
 def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[[int], bool]:
-    return lambda b: predict(scaled.at(b), plan, run.world_size).peak_bytes <= run.planned_budget
+    return lambda b: predict(scaled.at(b), plan, run.topology).peak_bytes <= run.planned_budget
 
 
 def _rate(batch_size: int, world_size: int, seconds: float | None) -> str:
@@ -485,6 +540,7 @@ def _save(run: DryRun, scaled: BatchScaledProfile, plan: Plan, path: str, out: O
         },
         "hardware": run.figures.name,
         "world_size": run.world_size,
+        **({"nodes": run.topology.nodes} if run.topology.nodes > 1 else {}),
         "batch_size": run.batch_size,
         "precision": run.precision,
     }
@@ -499,10 +555,15 @@ def run(args: argparse.Namespace, out: Output) -> int:
     """Run ``osdp plan``; returns the exit status."""
     start = time.perf_counter()
     dry = resolve(args, out)
+    dry.seconds["model"] = time.perf_counter() - start
     scaled = _profiles(dry, out)
     rows = compare(dry, scaled, out, search=not args.no_search)
     _report(dry, scaled, rows, out)
     if args.out:
         _save(dry, scaled, rows[0].plan, args.out, out)
-    out.note(f"dry run took {time.perf_counter() - start:.1f} s")
+    report = rows[0].plan.report
+    stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in dry.seconds.items())
+    if report is not None and report.cbc_seconds is not None:
+        stages += f"; of the solve, CBC {report.cbc_seconds:.1f} s"
+    out.note(f"dry run took {time.perf_counter() - start:.1f} s ({stages})")
     return 0

@@ -28,7 +28,7 @@ from lightning_osdp.solver import format_plan
 
 __all__ = ["SavedPlanFile", "load", "mode_figures", "plot", "run"]
 
-_MODE_COLOURS = {"no_shard": "#4C72B0", "shard_grad_op": "#DD8452", "full_shard": "#55A868"}
+_MODE_COLOURS = {"no_shard": "#4C72B0", "shard_grad_op": "#DD8452", "full_shard": "#55A868", "hybrid_shard": "#8172B3"}
 
 
 @dataclass
@@ -153,7 +153,7 @@ def plot(saved: SavedPlanFile, prediction: Prediction, world_size: int, path: st
         kept = [u.kept.total / 2**20 if u else 0.0 for u in figures]
         # no_shard and shard_grad_op hold their gathered parameters from forward to backward, across every later
         # unit's compute: that is what full_shard saves. Its own gathers last one module's compute only.
-        held = [u.gathered / 2**20 if u and mode != "full_shard" else 0.0 for u in figures]
+        held = [u.gathered / 2**20 if u and mode not in ("full_shard", "hybrid_shard") else 0.0 for u in figures]
         comm = [u.time.communication * 1e3 if u else 0.0 for u in figures]
         added = [u.time.added * 1e3 if u else 0.0 for u in figures]
         lines = [1.5 if chosen[name] == mode else 0.0 for name in units]

@@ -22,6 +22,9 @@ all-gather buffer  none                           ``N*shard(P)``                
 reduction          in place, in the bucket        input ``N*shard(P)``           input ``N*shard(P)``
 =================  =============================  =============================  ==========================
 
+``hybrid_shard`` is ``full_shard`` with ``N`` its shard group's ranks (one node's, by default): its replicas across
+the groups keep the same bytes, and its all-reduce across the groups runs in place on the sharded gradient.
+
 The step is walked as a timeline of instants (``timeline.py``); the predicted peak is the largest:
 
 1. **Start**: every unit's kept parameters and optimizer state, and last step's sharded gradients.
@@ -57,8 +60,11 @@ Time
 * communication per unit comes from the profile's ``alpha + bytes / beta`` fits, plus a synchronisation cost per
   blocking call (in training the ranks do not enter a collective together, as they do when it is fitted):
   ``full_shard`` 2 all-gathers and a reduce-scatter, ``shard_grad_op`` 1 all-gather and a reduce-scatter,
+  ``hybrid_shard`` ``full_shard``'s within its shard group and an all-reduce of the gradient shard across the groups,
   ``no_shard`` its gradients' bytes in DDP's bucketed all-reduce, and the share of one call's latency and wait
-  that its bytes fill of a bucket; a ``split=k`` Linear pays ``k`` calls of about ``1/k`` of the bytes;
+  that its bytes fill of a bucket; a ``split=k`` Linear pays ``k`` calls of about ``1/k`` of the bytes. Each call is
+  priced on its group (the world, a shard group, a replicate group) from the profile's fits within and across nodes
+  (``network.py``: a ring over several nodes runs at the slower link);
 * exposed communication is ``max(0, communication - overlap * compute of the unit's modules)``: FSDP2 prefetches
   the next all-gather during the current unit's compute and reduces during the next backward compute. On CPU
   ``overlap`` is 0 (gloo collectives block the calling thread; FSDP2's streams are no-ops), so every

@@ -21,6 +21,7 @@ from lightning_osdp.cost_model.timeline import (
 from lightning_osdp.cost_model.units import SHARDED_MODES, UnitTime
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.topology import Topology
 
 __all__ = ["Prediction", "PredictionCheck", "UnitPrediction", "predict"]
 
@@ -85,6 +86,7 @@ class Prediction:
         overhead_seconds: the units' hooks and split calls that are not hidden.
         step_overhead_seconds: the part of ``compute_seconds`` outside the modules: the loss, the optimizer step's
             framework, the training loop around the step.
+        topology: the nodes and shard groups it was predicted for (``None``: ``world_size`` ranks on one node).
     """
 
     peak: MemoryParts
@@ -112,6 +114,8 @@ class Prediction:
             "optimizer": self.optimizer_seconds,
             "overhead": self.overhead_seconds + self.step_overhead_seconds,
         }
+
+    topology: Topology | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -181,10 +185,12 @@ class Prediction:
     def __str__(self) -> str:
         from lightning_osdp.budget import format_bytes
 
-        lines = [
-            f"Predicted peak {format_bytes(self.peak_bytes)} per device at {self.peak_at!r} "
-            f"(world size {self.world_size}):",
-        ]
+        where = (
+            f"world size {self.world_size}"
+            if self.topology is None or self.topology.is_flat
+            else self.topology.describe()
+        )
+        lines = [f"Predicted peak {format_bytes(self.peak_bytes)} per device at {self.peak_at!r} ({where}):"]
         for name in CATEGORIES:
             lines.append(f"  {name.replace('_', ' '):<22} {format_bytes(getattr(self.peak, name)):>12}")
         parts = ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f} ms" for k, v in self.step_parts.items())
@@ -316,7 +322,7 @@ def timeline_input(info: ModelInfo, plan: Plan) -> tuple[TimelineInput[MemoryPar
 def predict(
     profile: ModelProfile,
     plan: Plan,
-    world_size: int | None = None,
+    world_size: int | Topology | None = None,
     *,
     config: CostModelConfig | None = None,
 ) -> Prediction:
@@ -326,7 +332,9 @@ def predict(
         profile: the model's profile (exclusive per-module figures and collective fits).
         plan: the decisions; modules without one are covered by their nearest decided ancestor (the root ``""``,
             ``no_shard`` unless the plan says otherwise).
-        world_size: ranks to shard over (default: the profile's).
+        world_size: ranks to shard over (default: the profile's), or a :class:`~lightning_osdp.topology.Topology`
+            (nodes, ranks per node, ``hybrid_shard``'s shard group); an ``int`` is that many ranks on one node
+            (with the profile's ranks per node, when it was measured on several nodes).
         config: machine constants not in the profile (see :class:`CostModelConfig`).
 
     Returns:
@@ -336,7 +344,7 @@ def predict(
     return _predict(profile, plan, world_size or profile.world_size, resolved)
 
 
-def _predict(profile: ModelProfile, plan: Plan, world_size: int, config: ResolvedConfig) -> Prediction:
+def _predict(profile: ModelProfile, plan: Plan, world_size: int | Topology, config: ResolvedConfig) -> Prediction:
     info = ModelInfo(profile, world_size, config)
     spec, units = timeline_input(info, plan)
     be = NumericBackend()
@@ -350,10 +358,11 @@ def _predict(profile: ModelProfile, plan: Plan, world_size: int, config: Resolve
         communication_seconds=sum(t.communication for t in times),
         exposed_seconds=sum(t.exposed for t in times),
         units=_unit_predictions(units),
-        world_size=world_size,
+        world_size=info.world_size,
         instants=be.instants,
         copies_seconds=sum(t.copies for t in times),
         optimizer_seconds=sum(t.optimizer for t in times),
         overhead_seconds=sum(t.overhead for t in times),
         step_overhead_seconds=config.step_overhead_seconds,
+        topology=info.topology,
     )

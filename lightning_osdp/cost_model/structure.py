@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_osdp.cost_model.config import ResolvedConfig
+from lightning_osdp.cost_model.network import Network, as_topology
 from lightning_osdp.cost_model.units import (
     ParamSpec,
     UnitBytes,
     UnitTime,
-    collective_seconds,
     module_params,
     split_params,
     unit_bytes,
@@ -37,6 +37,7 @@ from lightning_osdp.cost_model.units import (
 from lightning_osdp.grouping import ROOT, communication_units, covering_decision, slice_name
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.topology import Topology
 
 __all__ = [
     "FreeRun",
@@ -55,15 +56,20 @@ __all__ = [
 
 
 class ModelInfo:
-    """What the cost model reads from a profile, indexed once: forward order, tree, parameters per module."""
+    """What the cost model reads from a profile, indexed once: forward order, tree, parameters per module.
 
-    def __init__(self, profile: ModelProfile, world_size: int, config: ResolvedConfig) -> None:
-        if world_size < 1:
+    ``world_size`` is the ranks (on one node, or the profile's ranks per node: see
+    :func:`~lightning_osdp.cost_model.network.as_topology`) or a :class:`~lightning_osdp.topology.Topology`."""
+
+    def __init__(self, profile: ModelProfile, world_size: int | Topology, config: ResolvedConfig) -> None:
+        if not isinstance(world_size, Topology) and world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if ROOT not in profile.modules:
             raise ValueError("the profile has no root module ''")
         self.profile = profile
-        self.world_size = world_size
+        self.topology = as_topology(world_size, profile)
+        self.world_size = self.topology.world_size
+        self.network = Network(profile, self.topology)
         self.config = config
         self.modules = profile.modules
         ran: dict[str, int] = {}
@@ -124,6 +130,11 @@ class ModelInfo:
             out.append(n)
             stack.extend(reversed(self.children[n]))
         return out
+
+    def shard_ranks(self, mode: str) -> int:
+        """Ranks a unit of ``mode`` shards its parameters over: its shard group for ``hybrid_shard``, else the world
+        (a ``no_shard`` unit shards nothing; the figure is then unused)."""
+        return self.topology.shard_size if mode == "hybrid_shard" else self.world_size
 
     def is_descendant(self, name: str, ancestor: str) -> bool:
         return ancestor == ROOT or name.startswith(ancestor + ".")
@@ -233,24 +244,33 @@ class Structure:
 
 
 def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
-    """Communication, copies, optimizer and overhead seconds of a unit (see the cost model's time model)."""
-    cfg, ws, profile = info.config, info.world_size, info.profile
+    """Communication, copies, optimizer and overhead seconds of a unit (see the cost model's time model).
+
+    Each collective runs on its group of the topology (``network.py``): ``full_shard`` and ``shard_grad_op`` gather and
+    reduce-scatter over the world, ``hybrid_shard`` within its shard group and then all-reduces its gradient shard
+    across the replicate group, DDP all-reduces over the world."""
+    cfg, ws, net, topo = info.config, info.world_size, info.network, info.topology
     copy = cfg.copy_bytes_per_second
     if b.param_count == 0:
         return UnitTime(compute=compute)
     sync = cfg.collective_sync_seconds if ws > 1 else 0.0
     if b.sharded:
-        gathers = 2 if b.mode == "full_shard" else 1
-        comm = gathers * (collective_seconds(profile, "all_gather", b.flat, ws) + sync)
+        group = topo.shard_group if b.mode == "hybrid_shard" else topo.world
+        call_sync = sync if group.size > 1 else 0.0
+        gathers = 2 if b.reshards_after_forward else 1
+        comm = gathers * (net.seconds("all_gather", b.flat, group) + call_sync)
         # The copy-out runs on the compute stream; the all-gather copy-in and the reduce-scatter copy-in run on
         # FSDP2's side streams and hide, after the collectives, in what compute is left (config.py [Note: the
         # target's figures]; on CPU nothing overlaps).
         copies = gathers * (b.params + b.gathered) / copy
         side = gathers * b.params / copy
         if b.trainable:
-            comm += collective_seconds(profile, "reduce_scatter", b.reduce_input, ws) + sync
+            comm += net.seconds("reduce_scatter", b.reduce_input, group) + call_sync
             copies += b.reduce_input / copy
             side += b.reduce_input / copy
+            if b.mode == "hybrid_shard" and topo.replicas > 1:
+                # FSDP2 all-reduces the reduce-scatter output (the sharded gradient) in place across the groups.
+                comm += net.seconds("all_reduce", b.grad, topo.replicate_group) + sync
         copies -= min(side, max(0.0, cfg.overlap * compute - comm))
     else:
         # DDP: the unit's gradients share buckets with other no_shard units' and are all-reduced a bucket at a
@@ -259,8 +279,8 @@ def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
         # tensors (no DTensor dispatch in the optimizer, no FSDP2 hooks).
         comm = 0.0
         if b.trainable and ws > 1:
-            fit_bytes = collective_seconds(profile, "all_reduce", b.bucket, ws)
-            alpha = profile.collectives["all_reduce"].alpha_seconds
+            fit_bytes = net.seconds("all_reduce", b.bucket, topo.world)
+            alpha = net.fit("all_reduce", topo.world).alpha_seconds
             comm = fit_bytes - alpha + (alpha + sync) * b.bucket / cfg.ddp_bucket_bytes
         copies = b.bucket / copy
         return UnitTime(
@@ -303,7 +323,7 @@ def _make_unit(
     split: int = 1,
     deferred: bool,
 ) -> LocalUnit:
-    b = unit_bytes(params, mode, info.world_size, optim_tensor_bytes=optim[0], optim_scalar_bytes=optim[1])
+    b = unit_bytes(params, mode, info.shard_ranks(mode), optim_tensor_bytes=optim[0], optim_scalar_bytes=optim[1])
     return LocalUnit(names, decision_name, mode, split, b, unit_time(info, b, compute), deferred)
 
 

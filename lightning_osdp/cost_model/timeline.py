@@ -233,9 +233,10 @@ class SegmentSimulator:
         self.all_gather_output, self.all_gather_owner = _comm(u.flat), i
 
     def post_forward(self, i: int) -> None:
-        """``reshard`` of unit ``i`` (``full_shard`` only), and on CPU the release of its all-gather output."""
+        """``reshard`` of unit ``i`` (``full_shard`` and ``hybrid_shard`` only), and on CPU the release of its
+        all-gather output."""
         u = self.bytes[i]
-        if u.mode == "full_shard":
+        if u.reshards_after_forward:
             self.level -= _gathered(u.gathered)
         if u.sharded and self.release_after_forward and self.all_gather_owner == i:
             # The unit's own buffer, if a nested unit's gather has not freed it already.
@@ -248,9 +249,9 @@ class SegmentSimulator:
         u = self.bytes[i]
         if not u.sharded:
             return
-        if u.mode == "full_shard" and i in self.gathered_in_recompute:
+        if u.reshards_after_forward and i in self.gathered_in_recompute:
             pass  # gathered by its pre-forward in an enclosing module's recomputation
-        elif u.mode == "full_shard":
+        elif u.reshards_after_forward:
             if i in self.prefetched:
                 self.prefetched.discard(i)
                 self.level += _gathered(u.gathered)
@@ -265,7 +266,7 @@ class SegmentSimulator:
             self._backward_instant(self.level)
             return
         target = self.post_forward_order[k - 1]
-        if self.bytes[target].mode == "full_shard" and target not in self.prefetched:
+        if self.bytes[target].reshards_after_forward and target not in self.prefetched:
             self.prefetched.add(target)
             self.level += _comm(self.bytes[target].flat)
             self._backward_instant(self.level)
@@ -351,7 +352,7 @@ class SegmentSimulator:
         stack = list(node.children)
         while stack:
             child = stack.pop()
-            if child.unit is not None and self.bytes[child.unit].mode == "full_shard":
+            if child.unit is not None and self.bytes[child.unit].reshards_after_forward:
                 found.append(child.unit)
             if not child.recompute:  # a nested recomputed module is run again (and gathers) in its own backward
                 stack.extend(child.children)
@@ -369,7 +370,7 @@ class SegmentSimulator:
         # no_shard/shard_grad_op units kept gathered, and its last unit's all-gather output (prefetched by the next).
         self.level = ZERO
         last = self.post_forward_order[-1] if self.post_forward_order else None
-        if last is not None and self.bytes[last].mode == "full_shard":
+        if last is not None and self.bytes[last].reshards_after_forward:
             self.prefetched.add(last)
             return _comm(self.bytes[last].flat)
         return ZERO
@@ -586,11 +587,12 @@ class _StepWalk(Generic[V]):
 
     # ------------------------------------------------------------------ values of one choice
     def pick(self, g: GlobalChoice, attr: str, only_full_shard: bool = False) -> V:
-        """A global unit's ``UnitBytes`` field under each of its options (0 for options not ``full_shard``)."""
+        """A global unit's ``UnitBytes`` field under each of its options (with ``only_full_shard``, 0 for options that
+        do not reshard after forward: not ``full_shard`` or ``hybrid_shard``)."""
         values = {}
         for opt, u in g.options.items():
             v = getattr(u.bytes, attr)
-            if only_full_shard and u.mode != "full_shard":
+            if only_full_shard and not u.bytes.reshards_after_forward:
                 v = 0
             values[opt] = v
         return self.be.choice(g.key, {o: _parts_for(attr, v) for o, v in values.items()})

@@ -46,10 +46,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
+from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
 
 __all__ = [
     "NOT_CAST_BY_AUTOCAST",
+    "RESHARDING_MODES",
     "SHARDED_MODES",
     "ParamSpec",
     "UnitBytes",
@@ -59,7 +60,11 @@ __all__ = [
     "unit_bytes",
 ]
 
-SHARDED_MODES: tuple[str, ...] = ("shard_grad_op", "full_shard")
+#: Modes whose parameters are FSDP2's (sharded DTensors); ``hybrid_shard`` shards within its shard group.
+SHARDED_MODES: tuple[str, ...] = ("shard_grad_op", "full_shard", "hybrid_shard")
+#: Sharded modes that free the unsharded parameters after forward and gather them again for backward
+#: (``reshard_after_forward=True``).
+RESHARDING_MODES: tuple[str, ...] = ("full_shard", "hybrid_shard")
 
 
 @dataclass(frozen=True)
@@ -227,7 +232,13 @@ class UnitBytes:
 
     @property
     def sharded(self) -> bool:
+        """Whether the unit is an FSDP2 group (sharded parameters, all-gather and reduction buffers)."""
         return self.mode in SHARDED_MODES
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the unit frees its unsharded parameters after forward and gathers them again for backward."""
+        return self.mode in RESHARDING_MODES
 
 
 def unit_bytes(
@@ -242,8 +253,9 @@ def unit_bytes(
 
     Args:
         params: the unit's parameters (unsharded shapes).
-        mode: ``no_shard`` / ``shard_grad_op`` / ``full_shard``.
-        world_size: ranks the unit is sharded over.
+        mode: one of :data:`~lightning_osdp.plan.MODES`.
+        world_size: ranks the unit is sharded over: the world, or for ``hybrid_shard`` its shard group (its
+            replicas keep the same bytes).
         optim_tensor_bytes: profiled optimizer-state bytes that scale with the parameters (for the whole,
             unsharded parameters); the local share is taken.
         optim_scalar_bytes: optimizer-state bytes kept per parameter tensor whatever its size (Adam's ``step``).
@@ -314,13 +326,10 @@ class UnitTime:
 
 
 def collective_seconds(profile: ModelProfile, op: str, nbytes: float, world_size: int) -> float:
-    """One call of collective ``op`` on a buffer of ``nbytes`` (its full size), from the profile's fit."""
-    if world_size <= 1 or nbytes <= 0:
-        return 0.0
-    fit: CollectiveFit | None = profile.collectives.get(op)
-    if fit is None:
-        raise ValueError(
-            f"the profile has no fit for collective {op!r} (it has {sorted(profile.collectives) or 'none'}); "
-            "profile on the process group the model will train on"
-        )
-    return fit.seconds(nbytes)
+    """One call of collective ``op`` on a buffer of ``nbytes`` (its full size) over a world of ``world_size`` ranks on
+    one node, from the profile's fit (the cost model itself prices every group of a topology: ``network.py``)."""
+    from lightning_osdp.cost_model.network import Network
+    from lightning_osdp.topology import Topology
+
+    topology = Topology.flat(max(world_size, 1))
+    return Network(profile, topology).seconds(op, nbytes, topology.world)

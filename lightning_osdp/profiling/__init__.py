@@ -2,13 +2,16 @@
 
 ``profile(module, batch)`` returns a :class:`ModelProfile`: per module its own parameters, gradients, optimizer
 state, saved activations, forward/backward time and FLOPs, plus the fitted cost of each collective
-(``benchmark_collectives``). ``print(profile)`` (or :func:`format_profile`) shows it as a table.
+(``benchmark_collectives``; on several nodes within a node and across nodes, ``benchmark_levels``).
+``print(profile)`` (or :func:`format_profile`) shows it as a table.
 """
 
 from lightning_osdp.profiling.collectives import (
     COLLECTIVE_OPS,
     DEFAULT_SIZES,
+    NodeGroups,
     benchmark_collectives,
+    benchmark_levels,
     fit_collective,
     zero_cost_collectives,
 )
@@ -29,9 +32,11 @@ __all__ = [
     "DeviceRates",
     "ModelProfile",
     "ModuleProfile",
+    "NodeGroups",
     "OptimizerSpec",
     "ProfilingError",
     "benchmark_collectives",
+    "benchmark_levels",
     "fit_collective",
     "fit_latency_throughput",
     "format_profile",

@@ -22,6 +22,14 @@ collective's and not its wait for a late peer; the median is kept. After each si
 whether to go on: it stops before a size whose predicted time would overrun the budget (two sizes are always
 measured). Rank 0's samples are broadcast and every rank fits the same numbers, so every rank builds the same
 plan. The fit is :func:`~lightning_osdp.profiling.fit.fit_latency_throughput`. Garbage collection is off meanwhile.
+
+[Note: two levels]
+On several nodes the collectives are measured twice (:func:`benchmark_levels`), on the groups the cost model prices
+every other group from (``lightning_osdp/cost_model/network.py``): *within a node* (each node's ranks, every node at
+once) and *across nodes* (the ranks of one local rank, one per node, every such group at once). Every group of a kind
+measures at the same time, as they communicate at the same time in training: the across-node figure is then one
+rank's share of the node's network, whatever the network (a NIC per GPU, or one per node). Each group's rank 0 decides
+its own schedule; the profile then carries global rank 0's fits to every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +48,15 @@ from lightning_osdp.profiling.fit import fit_latency_throughput
 from lightning_osdp.profiling.model_profile import CollectiveFit
 from lightning_osdp.profiling.timing import device_clock, no_gc
 
-__all__ = ["COLLECTIVE_OPS", "DEFAULT_SIZES", "benchmark_collectives", "fit_collective", "zero_cost_collectives"]
+__all__ = [
+    "COLLECTIVE_OPS",
+    "DEFAULT_SIZES",
+    "NodeGroups",
+    "benchmark_collectives",
+    "benchmark_levels",
+    "fit_collective",
+    "zero_cost_collectives",
+]
 
 #: The collectives a plan's cost depends on (see [Note: which collectives]).
 COLLECTIVE_OPS: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce")
@@ -165,3 +182,43 @@ def benchmark_collectives(
     box: list[Any] = [samples]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return {op: fit_collective(op, world_size, box[0][op]) for op in COLLECTIVE_OPS}
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's two process groups of the network's levels (see [Note: two levels]).
+
+    Attributes:
+        nodes: nodes of the run.
+        within: the ranks of this rank's node.
+        across: one rank of each node: those with this rank's local rank.
+    """
+
+    nodes: int
+    within: Any
+    across: Any
+
+
+def benchmark_levels(
+    groups: NodeGroups,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
+    time_budget_seconds: float = 2.0,
+) -> tuple[dict[str, CollectiveFit], dict[str, CollectiveFit]]:
+    """The fits within a node and across nodes (see [Note: two levels]): :func:`benchmark_collectives` on
+    ``groups.within``, then on ``groups.across``, each with ``time_budget_seconds``. A collective call of every rank.
+
+    Returns:
+        ``(within, across)``; on one node ``across`` is empty.
+    """
+    within = benchmark_collectives(
+        groups.within, sizes=sizes, repeats=repeats, dtype=dtype, time_budget_seconds=time_budget_seconds
+    )
+    if groups.nodes < 2:
+        return within, {}
+    across = benchmark_collectives(
+        groups.across, sizes=sizes, repeats=repeats, dtype=dtype, time_budget_seconds=time_budget_seconds
+    )
+    return within, across

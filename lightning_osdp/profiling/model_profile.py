@@ -20,9 +20,10 @@ from lightning_osdp.profiling.rates import DeviceRates
 __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "ModelProfile", "ModuleProfile"]
 
 PROFILE_FORMAT = "lightning_osdp.profile"
-#: ``version`` field of a profile file this release writes; it reads this one and version 1 (see
+#: ``version`` field of a profile file this release writes; it reads this one and every earlier one (see
 #: [Note: profile versions]).
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
+_READS_VERSIONS = (1, 2, PROFILE_VERSION)
 
 # [Note: profile versions]
 # Version 1 kept the figures later stages read (the forward order, the copy bandwidth, the estimated mode's rates,
@@ -31,6 +32,9 @@ PROFILE_VERSION = 2
 # notes for people only. A version-1 file is read by moving those keys out of ``info`` (``_from_version_1``), so
 # profiles saved beside plans and inside checkpoints by earlier releases still load. An earlier release refuses a
 # version-2 file by its version, instead of failing on the new fields.
+# Version 3 fits the collectives per level of the network (``collectives`` within a node, ``inter_node_collectives``
+# across nodes, on ``nodes`` nodes; see ``lightning_osdp/cost_model/network.py``). Every earlier profile was measured
+# on one group of ranks, which the cost model treats as one node: it loads with ``nodes`` 1 and no across-node fits.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -115,8 +119,13 @@ class ModelProfile:
 
     Attributes:
         modules: name -> :class:`ModuleProfile`, in ``named_modules()`` order.
-        collectives: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` -> :class:`CollectiveFit`.
+        collectives: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` -> :class:`CollectiveFit` within a
+            node: on the ranks of one node, every node at once (on one node, the world).
         world_size: ranks of the process group the collectives were measured on.
+        nodes: nodes those ranks were on (``world_size / nodes`` on each).
+        inter_node_collectives: the same three fits across nodes: on groups of one rank per node, every such group
+            at once (empty on one node). The cost model prices every group of a topology from the two levels
+            (``lightning_osdp/cost_model/network.py``).
         device: ``"cpu"`` or ``"cuda"`` (and the device name, when known).
         mode: ``"measured"`` (the model ran on the device) or ``"estimated"`` (meta tensors, FLOP-based times).
         optimizer: the optimizer's class name, and ``optim_state_factor``: state bytes per trainable
@@ -166,6 +175,8 @@ class ModelProfile:
     rates: DeviceRates | None = None
     framework_seconds: float | None = None
     mixed_precision: dict[str, str] | None = None
+    nodes: int = 1
+    inter_node_collectives: dict[str, CollectiveFit] = field(default_factory=dict)
 
     def __str__(self) -> str:
         """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""
@@ -182,24 +193,24 @@ class ModelProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> ModelProfile:
-        """Parse a profile document of this version or version 1 (see [Note: profile versions])."""
-        if data.get("format") != PROFILE_FORMAT or data.get("version") not in (1, PROFILE_VERSION):
+        """Parse a profile document of this version or an earlier one (see [Note: profile versions])."""
+        version = data.get("version")
+        if data.get("format") != PROFILE_FORMAT or isinstance(version, bool) or version not in _READS_VERSIONS:
             raise ValueError(
-                f"{source}: not a lightning_osdp profile of version 1 or {PROFILE_VERSION} "
+                f"{source}: not a lightning_osdp profile of version {', '.join(map(str, _READS_VERSIONS))} "
                 f"(format={data.get('format')!r}, version={data.get('version')!r})"
             )
         body = {k: v for k, v in data.items() if k not in ("format", "version")}
-        if data["version"] == 1:
+        if version == 1:
             body = _from_version_1(body)
         modules = {m["name"]: ModuleProfile(**m) for m in body.pop("modules")}
-        collectives = {
-            op: CollectiveFit(**{**c, "samples": [tuple(s) for s in c.get("samples", [])]})
-            for op, c in body.pop("collectives", {}).items()
-        }
+        collectives = _fits(body.pop("collectives", {}))
+        inter_node = _fits(body.pop("inter_node_collectives", {}))
         rates = body.pop("rates", None)
         return cls(
             modules=modules,
             collectives=collectives,
+            inter_node_collectives=inter_node,
             rates=DeviceRates(**rates) if rates is not None else None,
             **body,
         )
@@ -228,6 +239,10 @@ class ModelProfile:
     @property
     def total_param_bytes(self) -> int:
         return sum(m.param_bytes for m in self.modules.values())
+
+
+def _fits(data: Mapping[str, Any]) -> dict[str, CollectiveFit]:
+    return {op: CollectiveFit(**{**c, "samples": [tuple(s) for s in c.get("samples", [])]}) for op, c in data.items()}
 
 
 def _from_version_1(body: dict[str, Any]) -> dict[str, Any]:

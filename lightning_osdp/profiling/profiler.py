@@ -42,7 +42,13 @@ from torch.optim import Optimizer
 
 from lightning_osdp._compat import fake_tensor_mode, tree_leaves, tree_map
 from lightning_osdp.budget import device_memory_capacity
-from lightning_osdp.profiling.collectives import DEFAULT_SIZES, benchmark_collectives, zero_cost_collectives
+from lightning_osdp.profiling.collectives import (
+    DEFAULT_SIZES,
+    NodeGroups,
+    benchmark_collectives,
+    benchmark_levels,
+    zero_cost_collectives,
+)
 from lightning_osdp.profiling.errors import ProfilingError
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
 from lightning_osdp.profiling.optimizer_state import (
@@ -325,13 +331,21 @@ def _collective_sizes(param_bytes: int) -> list[int]:
 
 
 def _collectives(
-    collectives: Mapping[str, CollectiveFit] | None, group: Any, param_bytes: int, budget: float
-) -> dict[str, CollectiveFit]:
+    collectives: Mapping[str, CollectiveFit] | None,
+    group: Any,
+    node_groups: NodeGroups | None,
+    param_bytes: int,
+    budget: float,
+) -> tuple[dict[str, CollectiveFit], dict[str, CollectiveFit]]:
+    """The fits within a node (the world's, on one node) and across nodes."""
     if collectives is not None:
-        return dict(collectives)
+        return dict(collectives), {}
     if not (dist.is_available() and dist.is_initialized()):
-        return zero_cost_collectives(1)
-    return benchmark_collectives(group, sizes=_collective_sizes(param_bytes), time_budget_seconds=budget)
+        return zero_cost_collectives(1), {}
+    sizes = _collective_sizes(param_bytes)
+    if node_groups is not None and node_groups.nodes > 1:
+        return benchmark_levels(node_groups, sizes=sizes, time_budget_seconds=budget)
+    return benchmark_collectives(group, sizes=sizes, time_budget_seconds=budget), {}
 
 
 def profile(
@@ -344,6 +358,7 @@ def profile(
     device: torch.device | str | None = None,
     group: Any = None,
     collectives: Mapping[str, CollectiveFit] | None = None,
+    node_groups: NodeGroups | None = None,
     repeats: int = 3,
     mode: str = "auto",
     step_context: Callable[[], AbstractContextManager[Any]] | None = None,
@@ -376,6 +391,8 @@ def profile(
             available, else CPU, for a model on the meta device).
         group: the process group whose collectives are measured; default the world, when initialised.
         collectives: fits measured before (a saved profile's): no benchmark then.
+        node_groups: on several nodes, this rank's groups within its node and across nodes: the collectives are
+            fitted on both levels (``benchmark_levels``) rather than on ``group``.
         repeats: timed steps (measured mode), after one traced warm-up step.
         mode: ``"measured"``, ``"estimated"`` or ``"auto"`` (see [Note: measured and estimated]).
         step_context: factory of the context the forward runs in (the precision plugin's ``forward_context``).
@@ -475,13 +492,16 @@ def profile(
     trainable_with_grad = sum(session.grad_bytes.values())
     factor = session.state.total_tensor_bytes / trainable_with_grad if trainable_with_grad else 0.0
     benchmark_start = time.perf_counter()
-    fits = _collectives(collectives, group, param_bytes, collective_time_budget)
+    fits, across = _collectives(collectives, group, node_groups, param_bytes, collective_time_budget)
     info["collectives_seconds"] = time.perf_counter() - benchmark_start
-    world_size = next(iter(fits.values())).world_size if fits else 1
+    nodes = node_groups.nodes if across and node_groups is not None else 1
+    world_size = (next(iter(fits.values())).world_size if fits else 1) * nodes
     device_name = str(target) + (f" ({torch.cuda.get_device_name(target)})" if target.type == "cuda" else "")
     result = ModelProfile(
         modules=modules,
         collectives=fits,
+        inter_node_collectives=across,
+        nodes=nodes,
         world_size=world_size,
         device=device_name,
         mode=chosen,

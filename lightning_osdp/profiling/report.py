@@ -114,7 +114,10 @@ def profile_tables(profile: ModelProfile, *, max_depth: int | None = None) -> li
         comm = Table(box=box.SIMPLE_HEAD)
         for header in ("collective", "ranks", "alpha us", "beta GB/s", "1 MiB ms", "16 MiB ms", "samples"):
             comm.add_column(header, justify="left" if header == "collective" else "right")
-        for op, fit in profile.collectives.items():
+        levels = [("", profile.collectives)]
+        if profile.inter_node_collectives:
+            levels = [(" within a node", profile.collectives), (" across nodes", profile.inter_node_collectives)]
+        for op, fit in ((op + level, fit) for level, fits in levels for op, fit in fits.items()):
             beta = "inf" if math.isinf(fit.beta_bytes_per_second) else f"{fit.beta_bytes_per_second / 1e9:.3f}"
             comm.add_row(
                 op,

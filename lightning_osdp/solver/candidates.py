@@ -22,10 +22,12 @@ splittable Linear and ``mode`` is sharded); *fine* ``(segment mode, inner mode, 
 sharded and at least as sharded as the segment's (``no_shard`` < ``shard_grad_op`` < ``full_shard``; the reverse
 only adds collectives, and ``no_shard`` inside ``no_shard`` is the coarse option: DDP has no units): every inner unit
 takes the inner mode and is split into the fewest allowed slices that bring it down to the slice size, one slice
-size per allowed split factor of the largest inner unit. Each of these may also *recompute* the segment (activation
-checkpointing of its entry module: it keeps only its inputs for backward and runs its forward again there), when
-the solver is allowed to. Options that are no better in time and in every memory term than another option of the
-same segment are dropped before the ILP (they can never be needed).
+size per allowed split factor of the largest inner unit. ``hybrid_shard`` ranks with ``shard_grad_op``
+(:data:`SHARDING_RANK`): it shards less than ``full_shard`` (within a group, not over the world) and, unlike
+``shard_grad_op``, gathers again for backward, so neither of the two is more sharded than the other. Each of these may
+also *recompute* the segment (activation checkpointing of its entry module: it keeps only its inputs for backward and
+runs its forward again there), when the solver is allowed to. Options that are no better in time and in every memory
+term than another option of the same segment are dropped before the ILP (they can never be needed).
 
 ``units=`` overrides steps 1 to 3: top-level names are segments, names nested in one are its inner units, tied
 holders all named form their list group (a tied holder named without the others stays in the root).
@@ -39,13 +41,25 @@ from typing import Literal
 
 from lightning_osdp.cost_model.structure import ModelInfo
 from lightning_osdp.grouping import ROOT, merged_ties
-from lightning_osdp.plan import MODES, Decision
+from lightning_osdp.plan import Decision
 
-__all__ = ["Candidates", "Recompute", "SegmentCandidate", "SegmentOption", "planning_units", "segment_options"]
+__all__ = [
+    "SHARDING_RANK",
+    "Candidates",
+    "Recompute",
+    "SegmentCandidate",
+    "SegmentOption",
+    "planning_units",
+    "segment_options",
+]
 
 #: Whether the solver may recompute segments: never (``False``), always where a segment saves activations
 #: (``True``), or where it pays (``"auto"``).
 Recompute = bool | Literal["auto"]
+
+#: How sharded each mode is, for the fine options' rule that the inner units are at least as sharded as the rest of
+#: their segment (see [Note: how planning units are chosen]).
+SHARDING_RANK: dict[str, int] = {"no_shard": 0, "shard_grad_op": 1, "hybrid_shard": 1, "full_shard": 2}
 
 
 @dataclass(frozen=True)
@@ -235,10 +249,9 @@ def _sharding_options(
     sizes = {n: float(info.modules[n].param_bytes) for n in inner}
     largest = max(sizes.values())
     targets = sorted({largest / k for k in splits}, reverse=True)
-    rank = {m: i for i, m in enumerate(MODES)}
     for outer in modes:
         for mode in modes:
-            if rank[mode] < rank[outer]:
+            if SHARDING_RANK[mode] < SHARDING_RANK[outer]:
                 continue  # big Linears less sharded than the small rest: never saves memory, costs collectives
             if mode == "no_shard":
                 continue  # all of it under DDP: the coarse no_shard option, in more units

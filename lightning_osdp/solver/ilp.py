@@ -67,6 +67,7 @@ import pulp
 
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.cost_model.config import CostModelConfig
+from lightning_osdp.cost_model.network import as_topology
 from lightning_osdp.cost_model.parts import MemoryParts
 from lightning_osdp.cost_model.prediction import Prediction, _predict
 from lightning_osdp.cost_model.structure import (
@@ -102,6 +103,7 @@ from lightning_osdp.solver.candidates import (
 )
 from lightning_osdp.solver.cbc import cbc_command, cbc_workspace
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
+from lightning_osdp.topology import Topology
 
 __all__ = ["InfeasibleBudgetError", "PlanningProblem", "SolverError", "minimum_budget", "solve"]
 
@@ -249,8 +251,10 @@ class PlanningProblem:
 
     Args:
         profile: the model's profile.
-        world_size: ranks.
-        modes: allowed modes.
+        world_size: ranks, or a :class:`~lightning_osdp.topology.Topology` (see
+            :func:`~lightning_osdp.cost_model.network.as_topology`).
+        modes: allowed modes (``hybrid_shard`` is left out when its shard group is the world and ``full_shard`` is
+            allowed: the two are then the same thing, and one-node plans keep naming it ``full_shard``).
         splits: allowed split factors (already capped by ``max_split``).
         units: planning units overriding the automatic choice (see ``candidates.py``).
         config: cost-model constants.
@@ -260,7 +264,7 @@ class PlanningProblem:
     def __init__(
         self,
         profile: ModelProfile,
-        world_size: int,
+        world_size: int | Topology,
         *,
         modes: Sequence[str] = MODES,
         splits: Sequence[int] = (1,),
@@ -272,12 +276,13 @@ class PlanningProblem:
         if recompute not in (True, False, "auto"):
             raise ValueError(f"recompute must be True, False or 'auto', got {recompute!r}")
         self.profile = profile
-        self.world_size = world_size
-        self.modes = tuple(modes)
+        self.topology = as_topology(world_size, profile)
+        self.world_size = self.topology.world_size
+        self.modes = _distinct_modes(modes, self.topology)
         self.splits = tuple(sorted(set(splits)))
         self.recompute: Recompute = recompute
         self.config = (config or CostModelConfig()).resolve(profile)
-        self.info = ModelInfo(profile, world_size, self.config)
+        self.info = ModelInfo(profile, self.topology, self.config)
         self.candidates: Candidates = planning_units(self.info, units=units)
         # Which modules are segments, groups or free does not depend on the modes chosen: one layout serves all.
         first = Decision(self.modes[0])
@@ -766,7 +771,14 @@ class PlanningProblem:
 
     def predict(self, plan: Plan) -> Prediction:
         """The cost model's prediction of ``plan`` (same constants as the ILP)."""
-        return _predict(self.profile, plan, self.world_size, self.config)
+        return _predict(self.profile, plan, self.topology, self.config)
+
+
+def _distinct_modes(modes: Sequence[str], topology: Topology) -> tuple[str, ...]:
+    """``modes`` less ``hybrid_shard`` where it is ``full_shard`` under another name (one shard group: the world)."""
+    if topology.replicas == 1 and "full_shard" in modes:
+        return tuple(m for m in modes if m != "hybrid_shard")
+    return tuple(modes)
 
 
 def _check_options(modes: Sequence[str], splits: Sequence[int]) -> None:
@@ -931,7 +943,7 @@ def _ilp_figures(be: LinearBackend, chosen: dict[Hashable, Hashable]) -> tuple[i
 
 def minimum_budget(
     profile: ModelProfile,
-    world_size: int | None = None,
+    world_size: int | Topology | None = None,
     *,
     modes: Sequence[str] = MODES,
     max_split: int = 8,
@@ -971,7 +983,7 @@ def _minimum(problem: PlanningProblem, *, gap: float, time_limit: float) -> tupl
 def solve(
     profile: ModelProfile,
     memory_budget: int | str,
-    world_size: int | None = None,
+    world_size: int | Topology | None = None,
     *,
     modes: Sequence[str] = MODES,
     max_split: int = 8,
@@ -987,8 +999,10 @@ def solve(
     Args:
         profile: the model's profile (:mod:`lightning_osdp.profiling`).
         memory_budget: per-device bytes, or a string such as ``"6GiB"``.
-        world_size: ranks (default: the profile's).
-        modes: allowed modes; ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP, ``("shard_grad_op",)`` ZeRO-2.
+        world_size: ranks (default: the profile's), or a :class:`~lightning_osdp.topology.Topology` (nodes, ranks
+            per node, ``hybrid_shard``'s shard group).
+        modes: allowed modes; ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP, ``("shard_grad_op",)`` ZeRO-2,
+            ``("hybrid_shard",)`` HSDP.
         max_split: largest operator-splitting factor (1 disables splitting).
         splits: split factors to consider (those above ``max_split`` are dropped).
         gap: CBC's relative optimality gap.
@@ -1031,7 +1045,7 @@ def solve(
         bound=result.bound,
         gap=gap,
         budget_bytes=budget,
-        world_size=ws,
+        world_size=problem.world_size,
         prediction=PredictionSummary.from_dict(prediction.to_dict()),
         ilp_peak_bytes=ilp_peak,
         ilp_step_seconds=ilp_seconds,
@@ -1043,7 +1057,10 @@ def solve(
         cbc_seconds=result.seconds,
         recompute=problem.recompute,
     )
-    return Plan(plan.decisions, info={"source": "lightning_osdp.solver"}, report=report)
+    info: dict[str, Any] = {"source": "lightning_osdp.solver"}
+    if not problem.topology.is_flat or problem.topology.shard_group_size is not None:
+        info["topology"] = problem.topology.to_dict()
+    return Plan(plan.decisions, info=info, report=report)
 
 
 def _check_replicated(
@@ -1092,9 +1109,10 @@ def _infeasible(problem: PlanningProblem, budget: int, time_limit: float) -> Inf
         if name != "total" and v > 0
     )
     top = "; ".join(f"{name or '<root>'} {format_bytes(b)}" for name, b in consumers[:5])
+    ranks = f"{problem.world_size} ranks" if problem.topology.is_flat else problem.topology.describe_ranks()
     message = (
         f"no plan fits the memory budget of {format_bytes(budget)} ({budget} bytes) per device on "
-        f"{problem.world_size} ranks: the smallest budget any plan meets is {format_bytes(minimum)} "
+        f"{ranks}: the smallest budget any plan meets is {format_bytes(minimum)} "
         f"({minimum} bytes), with {plan.summary()} (peak at {prediction.peak_at!r}: {parts}). "
         f"Largest consumers (parameters, gradients and optimizer state unsharded, plus activations): {top}. "
         "Raise the budget, add ranks, or reduce the batch size (activations do not shard)"

@@ -23,6 +23,7 @@ from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.ilp import InfeasibleBudgetError, minimum_budget, solve
+from lightning_osdp.topology import Topology
 
 __all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
 
@@ -44,7 +45,7 @@ def planned_budget(memory_budget: int | str, headroom: float = DEFAULT_MEMORY_HE
 def plan_model(
     profile: ModelProfile,
     memory_budget: int | str,
-    world_size: int | None = None,
+    world_size: int | Topology | None = None,
     *,
     headroom: float = DEFAULT_MEMORY_HEADROOM,
     modes: Sequence[str] = MODES,
@@ -62,7 +63,7 @@ def plan_model(
     Args:
         profile: the model's profile.
         memory_budget: per-device bytes, or a string such as ``"6GiB"``.
-        world_size: ranks (default: the profile's).
+        world_size: ranks (default: the profile's), or a :class:`~lightning_osdp.topology.Topology`.
         headroom: the fraction of ``memory_budget`` kept free (see [Note: headroom]).
         modes: as for :func:`~lightning_osdp.solver.solve`.
         max_split: likewise.
@@ -111,7 +112,7 @@ def plan_model(
 
 def smallest_memory_budget(
     profile: ModelProfile,
-    world_size: int | None = None,
+    world_size: int | Topology | None = None,
     *,
     headroom: float = DEFAULT_MEMORY_HEADROOM,
     modes: Sequence[str] = MODES,
