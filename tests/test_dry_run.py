@@ -141,16 +141,22 @@ def test_a_dry_run_on_a_preset_predicts_with_the_presets_figures_only() -> None:
 
 
 def test_a_ring_across_nodes_is_named_for_its_network_and_pays_its_hops() -> None:
+    from lightning_osdp.cost_model.network import Network, bus_bytes_per_second
+    from lightning_osdp.topology import Topology
+
     h100 = get_hardware("h100-sxm")
     figures = h100.figures(1024, "bf16-mixed")
     assert "between nodes 8 x 400 Gb/s NDR InfiniBand per node" in figures.description
     assert "between nodes NVLink" not in figures.description
-    fit = figures.collectives["all_gather"]
-    # 1,023 ring steps: 896 within the 128 nodes over NVLink, 128 across the network (averaged per hop).
-    hop = (896 * NVLINK4_NVSWITCH.hop_seconds + 128 * INFINIBAND_8X_NDR.hop_seconds) / 1023
-    assert fit.alpha_seconds == pytest.approx(COLLECTIVE_LAUNCH_SECONDS + 1023 * hop)
+    topology = Topology(128, 8)
+    fit = Network(figures, topology).fit("all_gather", topology.world)
+    # 1,023 ring steps, every one paying the network's latency (a step ends when its slowest link has delivered):
+    # the across-node ring of 128 nodes, 127 steps, carried over to the world's.
+    across = COLLECTIVE_LAUNCH_SECONDS + 127 * INFINIBAND_8X_NDR.hop_seconds
+    assert fit.alpha_seconds == pytest.approx(across * 1023 / 127)
+    # The world's ring runs at the slower of the node's NVLink and its whole network (8 NICs for 8 ranks).
     bus = min(NVLINK4_NVSWITCH.bus_bytes_per_second, INFINIBAND_8X_NDR.bus_bytes_per_second)
-    assert fit.beta_bytes_per_second == pytest.approx(bus * 1024 / 1023)
+    assert bus_bytes_per_second(fit) == pytest.approx(bus)
 
 
 @pytest.mark.slow
