@@ -17,12 +17,12 @@ from typing import Any
 
 from lightning_osdp.profiling.rates import DeviceRates
 
-__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "ModelProfile", "ModuleProfile"]
+__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "LossMemory", "ModelProfile", "ModuleProfile"]
 
 PROFILE_FORMAT = "lightning_osdp.profile"
-#: ``version`` field of a profile file this release writes; it reads this one and version 1 (see
+#: ``version`` field of a profile file this release writes; it reads this one and versions 1 and 2 (see
 #: [Note: profile versions]).
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 # [Note: profile versions]
 # Version 1 kept the figures later stages read (the forward order, the copy bandwidth, the estimated mode's rates,
@@ -31,6 +31,9 @@ PROFILE_VERSION = 2
 # notes for people only. A version-1 file is read by moving those keys out of ``info`` (``_from_version_1``), so
 # profiles saved beside plans and inside checkpoints by earlier releases still load. An earlier release refuses a
 # version-2 file by its version, instead of failing on the new fields.
+# Version 3 adds ``loss`` (the measured memory of the loss region, see ``lightning_osdp/profiling/loss_region.py``)
+# and ``measured_peak_correction``. A version-2 file reads with ``loss = None``, which the cost model counts as
+# version 2 did (the activations saved outside modules and the last module's output), and no correction.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -107,6 +110,36 @@ class CollectiveFit:
 
 
 @dataclass
+class LossMemory:
+    """The memory of a step's *loss region*: from the instant the model's last call returns (its output, the logits,
+    in hand) to the instant the first module's backward runs. Live bytes measured on the device in the profiled
+    step (see ``lightning_osdp/profiling/loss_region.py`` [Note: the loss region]), each relative to the live bytes
+    at an instant, so that the cost model adds them to the level it predicts there.
+
+    Attributes:
+        output_bytes: the output of the model's last call (the logits), live when the region starts.
+        forward_peak_bytes: the largest live bytes from the region's start to the start of backward, above those at
+            the start: the loss's and the metrics' transients (log-softmax, a float copy of the logits).
+        backward_start_bytes: live bytes when backward starts less those at the region's start: what the loss keeps
+            for backward (its saved tensors, tensors a returned dict holds) less what it freed (the logits, when
+            nothing keeps them). Negative when it frees more than it keeps.
+        backward_peak_bytes: the largest live bytes from the start of backward until the first module's backward
+            runs, above those at the start of backward: the loss's gradients.
+        backward_end_bytes: live bytes when the first module's backward runs less those at the start of backward:
+            the gradient of the output, less the loss's saved tensors freed.
+        outside_activation_bytes: tensors saved for backward outside every module before the region (part of
+            ``ModelProfile.extra_activation_bytes``, which also counts the region's own).
+    """
+
+    output_bytes: int = 0
+    forward_peak_bytes: int = 0
+    backward_start_bytes: int = 0
+    backward_peak_bytes: int = 0
+    backward_end_bytes: int = 0
+    outside_activation_bytes: int = 0
+
+
+@dataclass
 class ModelProfile:
     """A model measured on one device, with the collectives of its process group.
 
@@ -126,7 +159,8 @@ class ModelProfile:
             forward and backward times, so that the modules' times plus this add up to the measured step.
         optimizer_step_seconds: the part of ``step_overhead_seconds`` spent in ``optimizer.step()`` over the
             unsharded parameters (it shrinks with the parameters a rank updates).
-        extra_activation_bytes: saved-for-backward bytes outside any module's forward (loss computation).
+        extra_activation_bytes: saved-for-backward bytes outside any module's forward (loss computation). The cost
+            model reads it only when ``loss`` is ``None``.
         profiling_seconds: wall time spent profiling (collectives included).
         info: notes for people, read by no stage: the torch version and thread count, the measured step time and
             its unattributed part, how long the collective benchmark took, how the optimizer state was counted.
@@ -138,6 +172,11 @@ class ModelProfile:
         rates: the rates the estimated mode converted FLOPs and bytes into seconds with (``None`` in measured mode).
         framework_seconds: per-step time of the training loop around the profiled step (Lightning's closure,
             hooks, ``sync_dist`` logging), when measured; ``None``: the cost model uses its device default.
+        loss: the measured memory of the loss region (:class:`LossMemory`); ``None`` in a profile from before it
+            was measured (version 2 and earlier).
+        measured_peak_correction: bytes a run measured above its plan's predicted peak when that peak went over the
+            memory budget (recorded by ``OSDPStrategy`` at its first check, see ``docs/how-it-works.md``); the cost
+            model holds them for the whole step, so that a plan made from this profile keeps them free.
     """
 
     modules: dict[str, ModuleProfile]
@@ -158,6 +197,8 @@ class ModelProfile:
     copy_bytes_per_second: float | None = None
     rates: DeviceRates | None = None
     framework_seconds: float | None = None
+    loss: LossMemory | None = None
+    measured_peak_correction: int = 0
 
     def __str__(self) -> str:
         """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""
@@ -174,10 +215,10 @@ class ModelProfile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "<dict>") -> ModelProfile:
-        """Parse a profile document of this version or version 1 (see [Note: profile versions])."""
-        if data.get("format") != PROFILE_FORMAT or data.get("version") not in (1, PROFILE_VERSION):
+        """Parse a profile document of this version or an earlier one (see [Note: profile versions])."""
+        if data.get("format") != PROFILE_FORMAT or data.get("version") not in range(1, PROFILE_VERSION + 1):
             raise ValueError(
-                f"{source}: not a lightning_osdp profile of version 1 or {PROFILE_VERSION} "
+                f"{source}: not a lightning_osdp profile of versions 1 to {PROFILE_VERSION} "
                 f"(format={data.get('format')!r}, version={data.get('version')!r})"
             )
         body = {k: v for k, v in data.items() if k not in ("format", "version")}
@@ -189,10 +230,12 @@ class ModelProfile:
             for op, c in body.pop("collectives", {}).items()
         }
         rates = body.pop("rates", None)
+        loss = body.pop("loss", None)
         return cls(
             modules=modules,
             collectives=collectives,
             rates=DeviceRates(**rates) if rates is not None else None,
+            loss=LossMemory(**loss) if loss is not None else None,
             **body,
         )
 
