@@ -35,8 +35,10 @@ finds, ``x`` activations saved outside modules before the region):
 * *the model's last call returned*: the end of the forward walk, whose last instant is the level plus the last
   module's output, before the root reshards. The ``loss`` instant is there: ``level + pending + x + o + f``;
 * *backward starts*: after the root's post-forward (it reshards) and Lightning's ``zero_grad`` (the previous step's
-  gradients go), and after the root's pre-backward, which gathers the global units again and prefetches the last
-  segment's unit. The ``loss backward`` instant is there: ``level + prefetch + x + o + s + b``;
+  gradients go), and after the root's pre-backward, which gathers the root again and prefetches the unit whose
+  forward ended last (a tied embedding/LM-head group, else the last segment's). The ``loss backward`` instant is
+  there: ``level + prefetch + x + o + s + b``. A tied group's own pre-backward runs on its last holder's output
+  gradient, so after the loss's backward;
 * *the first module's backward runs*: the walk's first backward instant, which counts that module's output
   gradient (``node.out``) itself. What the region leaves beyond it, ``x + s + e`` (the logits a returned dict keeps,
   activations saved outside modules), stays in the level for the rest of the step: held by the step's output until
