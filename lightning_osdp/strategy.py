@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_osdp._compat import StrategyRegistry
-    from lightning_osdp.cost_model import PredictionCheck
+    from lightning_osdp.cost_model import Prediction, PredictionCheck
 
 __all__ = ["OSDPStrategy"]
 
@@ -555,7 +555,7 @@ class OSDPStrategy(ParallelStrategy):
         measured = self._monitor.peak_memory_bytes
         self._prediction_check = check = prediction.check(measured, self._monitor.step_time(skip=1))
         if measured is not None and self._memory_budget is not None and measured > self._memory_budget:
-            self._record_correction(measured, prediction.peak_bytes)
+            self._record_correction(measured, prediction)
         for logger in trainer.loggers:
             logger.log_metrics(
                 {
@@ -569,16 +569,12 @@ class OSDPStrategy(ParallelStrategy):
         else:
             rank_zero_warn(f"OSDP: the cost model missed on rank 0: {check.message}")
 
-    def _record_correction(self, measured: int, predicted: int) -> None:
+    def _record_correction(self, measured: int, prediction: Prediction) -> None:
         """Warn that rank 0's measured peak is over the budget, and record the miss in the profile (rank 0's, which
         checkpoints save)."""
         assert self._profile is not None and self._memory_budget is not None
-        import dataclasses
-
-        miss = max(measured - predicted, 0)
-        self._profile = dataclasses.replace(
-            self._profile, measured_peak_correction=self._profile.measured_peak_correction + miss
-        )
+        predicted = prediction.peak_bytes
+        self._profile = self._profile.with_correction(prediction.missed_bytes(measured))
         where = ["the checkpoints this run saves from now on"]
         if self._profile_file is not None:
             self._profile.save(self._profile_file)

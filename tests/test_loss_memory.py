@@ -142,7 +142,10 @@ def test_the_timeline_counts_the_loss_region_at_its_instants() -> None:
 
 def test_a_measured_correction_is_held_all_step_and_planned_with() -> None:
     plain = _linear_profile(loss=LOSS)
-    corrected = dataclasses.replace(plain, measured_peak_correction=1000)
+    corrected = plain.with_correction(1000)
+    assert corrected.measured_peak_correction == 1000 and corrected.with_correction(0) == corrected
+    with pytest.raises(ValueError, match="only grows"):
+        corrected.with_correction(-1)
     for mode in ("no_shard", "full_shard"):
         plan = Plan({"": "no_shard", "a": mode})
         old, new = (predict(p, plan, config=CONFIG).instants for p in (plain, corrected))

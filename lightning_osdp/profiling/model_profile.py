@@ -8,6 +8,7 @@ the first module that ``named_modules()`` yields holding it; ``ModelProfile.tied
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -253,6 +254,13 @@ class ModelProfile:
         """Read a profile written by :meth:`save`."""
         path = Path(path)
         return cls.from_dict(json.loads(path.read_text()), source=str(path))
+
+    def with_correction(self, missed_bytes: int) -> ModelProfile:
+        """A copy whose ``measured_peak_correction`` is ``missed_bytes`` larger (a run measured that much above the
+        prediction made with this profile)."""
+        if missed_bytes < 0:
+            raise ValueError(f"a measured correction only grows, got {missed_bytes} bytes")
+        return dataclasses.replace(self, measured_peak_correction=self.measured_peak_correction + missed_bytes)
 
     # ------------------------------------------------------------------ queries
     def subtree(self, name: str) -> list[str]:

@@ -565,31 +565,34 @@ def profile(
             depends on tensor values.
     """
     start = time.perf_counter()
-    request = _request(
-        module,
-        optimizer,
-        device,
-        repeats,
-        mode,
-        available_memory,
-        copy_bytes_per_second,
-        example_batch=example_batch,
-        loss_fn=loss_fn,
-        step=step,
-        step_context=step_context,
-        rates=rates,
-        batch_source=batch_source,
-    )
-    # Every rank profiles its own replica; an error on one is raised on all, before any rank enters the benchmark's
-    # collectives (where the others would wait for it); then every rank takes rank 0's figures.
-    local = from_rank_zero(
-        lambda: _profile_locally(request).to_dict(), what=f"profiling {request.name}", everywhere=True, group=group
-    )
-    result = ModelProfile.from_dict(local, source="rank 0")
+
+    def local() -> tuple[dict[str, Any], int]:
+        request = _request(
+            module,
+            optimizer,
+            device,
+            repeats,
+            mode,
+            available_memory,
+            copy_bytes_per_second,
+            example_batch=example_batch,
+            loss_fn=loss_fn,
+            step=step,
+            step_context=step_context,
+            rates=rates,
+            batch_source=batch_source,
+        )
+        return _profile_locally(request).to_dict(), request.param_bytes
+
+    # Every rank checks the arguments and profiles its own replica; an error on one is raised on all, before any rank
+    # enters the benchmark's collectives (where the others would wait for it); then every rank takes rank 0's figures.
+    what = f"profiling {type(module).__name__}"
+    document, param_bytes = from_rank_zero(local, what=what, everywhere=True, group=group)
+    result = ModelProfile.from_dict(document, source="rank 0")
 
     def benchmark() -> tuple[dict[str, CollectiveFit], float, float]:
         started = time.perf_counter()
-        fits = _collectives(collectives, group, request.param_bytes, collective_time_budget)
+        fits = _collectives(collectives, group, param_bytes, collective_time_budget)
         return fits, time.perf_counter() - started, time.perf_counter() - start
 
     # Collectives inside: every rank joins; rank 0's fits and timings are kept.
