@@ -67,6 +67,19 @@ def test_the_loss_region_of_a_cross_entropy_head_by_hand(mode: str) -> None:
     )
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_allocator_measures_the_same_region() -> None:
+    """On CUDA the region is read from the caching allocator's statistics: the same figures as the CPU's storages,
+    each tensor rounded up to 512 bytes (the scalars), for the 64,000-byte logits none."""
+    x, y = _batch()
+    measured = profile(Head().cuda(), (x.cuda(), y.cuda()), mode="measured").loss
+    assert measured is not None and measured.output_bytes == LOGITS
+    assert LOGITS <= measured.forward_peak_bytes <= LOGITS + 2 * 512
+    assert 0 <= measured.backward_start_bytes <= 2 * 512
+    assert measured.backward_peak_bytes == pytest.approx(2 * LOGITS, abs=2 * 512)
+
+
 def test_a_returned_dict_keeps_the_logits_to_the_end_of_the_step() -> None:
     """Lightning keeps ``training_step``'s dict until the optimizer step: so does the profiled step."""
     loss = profile(Head(keep_logits=True), _batch()).loss
