@@ -16,6 +16,11 @@ gathered parameters with ``UntypedStorage.resize_``, which the dispatcher does n
 tracking: ``lightning_osdp._compat.storage_resize_hook``). Not counted: memory held by a communication
 backend outside tensors (gloo's staging buffers), by the Python interpreter, or by tensors created outside
 ATen (``numpy`` arrays). The figure is what a CUDA allocator would report as allocated, without its rounding.
+
+:meth:`LiveStorageTracker.mark` cuts the tracked time into windows: the live bytes at an instant, and the largest
+live bytes since the previous mark. :class:`AllocatorMeter` gives the same on CUDA from the allocator's statistics;
+:func:`memory_meter` picks one for a device (profiling measures the loss's memory with it, see
+``lightning_osdp/profiling/loss_region.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +29,13 @@ import functools
 import weakref
 from collections.abc import Iterable
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from lightning_osdp._compat import TorchDispatchMode, storage_resize_hook, tree_leaves
 
-__all__ = ["LiveStorageTracker", "tensors_of"]
+__all__ = ["AllocatorMeter", "LiveStorageTracker", "MemoryMeter", "memory_meter", "tensors_of"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +71,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.device_type = device_type
         self.live = 0
         self.peak = 0
+        self._window_peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._resize_hook = ExitStack()
@@ -73,12 +79,12 @@ class LiveStorageTracker(TorchDispatchMode):
     # ---------------------------------------------------------------- public
     def start(self, *roots: Any) -> LiveStorageTracker:
         """Count what ``roots`` hold now, then track every allocation until :meth:`stop`."""
-        self.live = self.peak = 0
+        self.live = self.peak = self._window_peak = 0
         self._sizes.clear()
         self._refs.clear()
         for t in tensors_of(roots):
             self._track(_local(t))
-        self.peak = self.live
+        self.peak = self._window_peak = self.live
         self._resize_hook.enter_context(storage_resize_hook(self._on_resize))
         self.__enter__()
         return self
@@ -88,6 +94,11 @@ class LiveStorageTracker(TorchDispatchMode):
         self.__exit__(None, None, None)
         self._resize_hook.close()
         return self.peak
+
+    def mark(self) -> tuple[int, int]:
+        """``(largest live bytes since the previous mark or the start, live bytes now)``; a new window starts."""
+        window, self._window_peak = self._window_peak, self.live
+        return window, self.live
 
     # ---------------------------------------------------------------- internals
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -128,9 +139,54 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _add(self, delta: int) -> None:
         self.live += delta
-        if self.live > self.peak:
-            self.peak = self.live
+        if self.live > self._window_peak:
+            self._window_peak = self.live
+            if self.live > self.peak:
+                self.peak = self.live
 
     def _on_resize(self, storage: torch.UntypedStorage) -> None:
         if storage.device.type == self.device_type:
             self._track_storage(storage)
+
+
+class MemoryMeter(Protocol):
+    """Live bytes on a device at marked instants, and the largest between marks (see the module docstring)."""
+
+    def start(self, *roots: Any) -> MemoryMeter: ...
+
+    def mark(self) -> tuple[int, int]: ...
+
+    def stop(self) -> int: ...
+
+
+class AllocatorMeter:
+    """:class:`MemoryMeter` of a CUDA device from its caching allocator's statistics (``memory_allocated``, and
+    ``max_memory_allocated`` since the last ``reset_peak_memory_stats``): what the run's own measurement reads.
+    ``roots`` are not needed: the allocator counts every tensor of the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+
+    def start(self, *roots: Any) -> AllocatorMeter:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = int(torch.cuda.memory_allocated(self.device))
+        return self
+
+    def mark(self) -> tuple[int, int]:
+        window = int(torch.cuda.max_memory_allocated(self.device))
+        live = int(torch.cuda.memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = max(self.peak, window)
+        return window, live
+
+    def stop(self) -> int:
+        return max(self.peak, self.mark()[0])
+
+
+def memory_meter(device: torch.device, *, fake: bool = False) -> MemoryMeter:
+    """The meter for ``device``: the allocator's statistics on CUDA, else (CPU, or fake tensors, whose storages
+    have sizes but no memory) a :class:`LiveStorageTracker`."""
+    if device.type == "cuda" and not fake:
+        return AllocatorMeter(device)
+    return LiveStorageTracker(device.type)

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_osdp._compat import StrategyRegistry
-    from lightning_osdp.cost_model import PredictionCheck
+    from lightning_osdp.cost_model import Prediction, PredictionCheck
 
 __all__ = ["OSDPStrategy"]
 
@@ -194,6 +194,8 @@ class OSDPStrategy(ParallelStrategy):
         self._solver_time_limit = options.check_solver_time_limit(solver_time_limit)
         self._memory_headroom = options.check_memory_headroom(memory_headroom)
         self._profile: ModelProfile | None = None
+        # Where this run saved the profile beside its plan (rank 0), to record a measured correction in.
+        self._profile_file: Path | None = None
         self._prediction_check: PredictionCheck | None = None
         self._plan: Plan | None = options.check_plan(plan)
         self._process_group_backend = options.check_process_group_backend(process_group_backend)
@@ -500,8 +502,27 @@ class OSDPStrategy(ParallelStrategy):
             rank_zero_info(f"OSDP: {choice.reason}")
             if choice.plan is not None:
                 self._profile = ModelProfile.from_dict(choice.profile) if choice.profile else None
-                return choice.plan
+                return self._plan_with_correction(choice.plan)
         return self._profile_and_solve(trainer)
+
+    def _plan_with_correction(self, plan: Plan) -> Plan:
+        """``plan`` (a checkpoint's), or a new plan from the checkpoint's profile when that profile carries a measured
+        correction under which ``plan`` no longer fits (see :meth:`_check_prediction`)."""
+        profile = self._profile
+        if profile is None or profile.measured_peak_correction <= 0 or self._memory_budget is None:
+            return plan
+        from lightning_osdp.cost_model import predict
+        from lightning_osdp.solver import planned_budget
+
+        if predict(profile, plan, self.world_size).peak_bytes <= planned_budget(
+            self._memory_budget, self._memory_headroom
+        ):
+            return plan
+        rank_zero_info(
+            f"OSDP: the saved plan went over its budget when it ran (the profile carries a measured correction of "
+            f"{format_bytes(profile.measured_peak_correction)}): planning again from the saved profile"
+        )
+        return from_rank_zero(lambda: self.plan_for(profile), what="planning")
 
     def _resume_choice(self) -> osdp_checkpoint.PlanChoice | None:
         assert self.lightning_module is not None
@@ -547,7 +568,7 @@ class OSDPStrategy(ParallelStrategy):
         if self.is_global_zero:
             print(format_plan(plan, predict(profile, plan, self.topology), budget=self._memory_budget))
             plan.save(out)
-            profile.save(out.with_name(out.stem + ".profile.json"))
+            self._profile_file = profile.save(out.with_name(out.stem + ".profile.json"))
             rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
         return plan
 
@@ -642,16 +663,21 @@ class OSDPStrategy(ParallelStrategy):
             self._check_prediction(trainer)
 
     def _check_prediction(self, trainer: pl.Trainer) -> None:
-        """Once, after the first steps: the plan's predicted peak memory and step time against the measured ones
-        (logged and printed; a large miss is a warning naming what the prediction was made of)."""
+        """Once, on rank 0, after the first steps: the plan's predicted peak memory and step time against the measured
+        ones (logged and printed; a large miss is a warning naming what the prediction was made of). A measured peak
+        over the memory budget is a warning with both figures, and the miss is recorded in the profile as a
+        correction (``ModelProfile.measured_peak_correction``, which the cost model holds all step): in the profile
+        file this run saved beside its plan, and in the checkpoints it saves from now on, so that a run resuming
+        from one plans with it (see ``docs/how-it-works.md``)."""
         if self._profile is None or self._plan is None or self._monitor is None:
             return  # a plan given by hand has no prediction to check
         from lightning_osdp.cost_model import predict
 
         prediction = predict(self._profile, self._plan, self.topology)
-        self._prediction_check = check = prediction.check(
-            self._monitor.peak_memory_bytes, self._monitor.step_time(skip=1)
-        )
+        measured = self._monitor.peak_memory_bytes
+        self._prediction_check = check = prediction.check(measured, self._monitor.step_time(skip=1))
+        if measured is not None and self._memory_budget is not None and measured > self._memory_budget:
+            self._record_correction(measured, prediction)
         for logger in trainer.loggers:
             logger.log_metrics(
                 {
@@ -664,6 +690,25 @@ class OSDPStrategy(ParallelStrategy):
             rank_zero_info(f"OSDP: prediction held on rank 0: {check.message}")
         else:
             rank_zero_warn(f"OSDP: the cost model missed on rank 0: {check.message}")
+
+    def _record_correction(self, measured: int, prediction: Prediction) -> None:
+        """Warn that rank 0's measured peak is over the budget, and record the miss in the profile (rank 0's, which
+        checkpoints save)."""
+        assert self._profile is not None and self._memory_budget is not None
+        predicted = prediction.peak_bytes
+        self._profile = self._profile.with_correction(prediction.missed_bytes(measured))
+        where = ["the checkpoints this run saves from now on"]
+        if self._profile_file is not None:
+            self._profile.save(self._profile_file)
+            where.insert(0, str(self._profile_file))
+        rank_zero_warn(
+            f"OSDP: the measured peak memory {format_bytes(measured)} ({measured} bytes) on rank 0 is over the memory "
+            f"budget of {format_bytes(self._memory_budget)} ({self._memory_budget} bytes); the plan was predicted at "
+            f"{format_bytes(predicted)} ({predicted} bytes). The profile now carries a correction of "
+            f"{format_bytes(self._profile.measured_peak_correction)}, recorded in {' and in '.join(where)}: a run that "
+            "resumes from one of them plans with it. To stay under the budget now, restart with a larger "
+            "memory_headroom or a smaller memory_budget."
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:

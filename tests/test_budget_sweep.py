@@ -25,3 +25,29 @@ def test_measured_peak_stays_under_every_budget(tmp_path: Path) -> None:
     assert "full_shard" in modes[0]  # the smallest budget: sharded as far as it goes
     # Tighter budgets trade speed for memory: the measured peaks follow the budgets.
     assert results[0]["peak"] < results[-1]["peak"]
+
+
+def test_a_large_head_stays_under_tight_budgets_and_a_run_over_budget_corrects_the_next(tmp_path: Path) -> None:
+    """An untied 4,096-token head whose logits (1 MiB per copy) make the loss the largest transient
+    (tests/distributed/loss_budget_runner.py)."""
+    torchrun(ROOT / "tests" / "distributed" / "loss_budget_runner.py", str(tmp_path))
+    results = torch.load(tmp_path / "loss_budget.pt", weights_only=False)
+    for name in ("smallest", "halfway"):
+        r = results[name]
+        assert 0 < r["peak_max"] <= r["budget"], f"{name}: measured {r['peak_max']} over the budget {r['budget']}"
+        assert r["predicted"] / r["peak"] == pytest.approx(1.0, abs=0.03), name
+        assert r["correction"] == 0 and not [w for w in r["warnings"] if "over the memory budget" in w]
+    assert {d["mode"] for d in results["smallest"]["plan"]["decisions"].values()} == {"full_shard"}
+    # A buffer the profile never saw takes the DDP plan over its budget: the first check warns with both figures and
+    # records the miss in the profile, which the checkpoint saves.
+    over = results["over"]
+    assert over["peak"] > over["budget"] and {d["mode"] for d in over["plan"]["decisions"].values()} == {"no_shard"}
+    (warning,) = [w for w in over["warnings"] if "over the memory budget" in w]
+    assert f"({over['peak']} bytes)" in warning and f"({over['budget']} bytes)" in warning
+    assert over["correction"] == over["peak"] - (over["predicted"] - over["correction"]) > 0
+    # The run resuming from it at the same budget plans again with the correction, and stays under the budget.
+    again = results["again"]
+    assert again["plan"]["decisions"] != over["plan"]["decisions"]
+    assert again["correction"] == over["correction"] and again["predicted"] <= again["budget"]
+    assert 0 < again["peak_max"] <= again["budget"]
+    assert not [w for w in again["warnings"] if "over the memory budget" in w]

@@ -81,3 +81,8 @@ def test_two_gloo_ranks_measure_positive_sane_fits_and_share_rank_zeros_figures(
     assert profiles[0] == profiles[1]
     assert profiles[0].world_size == 2
     assert profiles[0].collectives["all_gather"].samples == [tuple(s) for s in docs[0]["fits"]["all_gather"]["samples"]]
+    # A batch that fails on rank 1 only fails the profile on both ranks at once, before any collective benchmark.
+    errors = [json.loads((tmp_path / f"error.rank{r}.json").read_text()) for r in range(2)]
+    assert errors[1]["type"] == "ProfilingError" and "does not run through TinyGPT" in errors[1]["message"]
+    assert errors[0]["type"] == "RuntimeError" and errors[0]["message"].startswith("profiling TinyGPT failed on rank 1")
+    assert all(e["seconds"] < 60 for e in errors)  # the process group's timeout is minutes: nobody waited for it

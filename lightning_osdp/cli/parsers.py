@@ -16,7 +16,7 @@ from lightning_osdp.cli.hardware import HARDWARE, NETWORKS
 
 # NOTE: lightning_osdp.solver.policy.DEFAULT_MEMORY_HEADROOM, written out: importing it would import torch (a test
 # keeps the two equal).
-DEFAULT_MEMORY_HEADROOM_TEXT = "0.05"
+DEFAULT_MEMORY_HEADROOM_TEXT = "0.02"
 
 __all__ = [
     "COMMANDS",

@@ -27,19 +27,27 @@ the groups keep the same bytes, and its all-reduce across the groups runs in pla
 
 The step is walked as a timeline of instants (``timeline.py``); the predicted peak is the largest:
 
-1. **Start**: every unit's kept parameters and optimizer state, and last step's sharded gradients.
+1. **Start**: every unit's kept parameters and optimizer state, and last step's sharded gradients; a correction a
+   run measured (``ModelProfile.measured_peak_correction``) is held from here to the end. DDP rebuilds its buckets
+   once, at the second step, before the old ones are freed: an instant with every bucket twice.
 2. **Forward**, units in forward order (global units first: the root ``""``, whose FSDP2 group encloses the whole
    step, and tied groups). A gather allocates the all-gather output, frees the output kept for the previous
    gather, then allocates the unsharded parameters (FSDP2 keeps each forward all-gather output until the next
    unit's copy-out). Each module adds the activations it saves for backward, and its output is live while it
    finishes. A ``full_shard`` unit frees its parameters after its forward; ``shard_grad_op`` and ``no_shard``
    keep them until their backward.
-3. **Loss**: the loss's saved activations and the model's output; then ``zero_grad`` frees last step's
-   gradients (Lightning calls it after ``training_step``, before ``backward``).
-4. **Backward**, in reverse: a ``full_shard`` unit is gathered again (its all-gather output freed right after
-   the copy-out); FSDP2 prefetches the previous unit's all-gather meanwhile. Each module's backward produces
-   its parameters' unsharded gradients, holds its output gradient and input gradient, then frees its
-   activations. After a unit's backward its parameters are freed (all modes), the previous reduce-scatter
+3. **Loss**: the loss region as the profile measured it (``LossMemory``: the logits, their log-softmax, a float
+   copy, metrics computed on them, tensors a returned dict keeps), on top of the level where the model's last
+   call returned; then the root reshards and ``zero_grad`` frees last step's gradients (Lightning calls it after
+   ``training_step``, before ``backward``).
+4. **Backward**, in reverse. The root's pre-backward gathers it again and prefetches the unit whose forward ended
+   last (a tied embedding/LM-head group, else the last segment's); the loss's backward adds its measured peak; a
+   tied group gathers again on the logits' gradient, and what the loss region still holds (a returned dict's
+   logits) stays to the end of the step. A ``full_shard`` unit is gathered again (its all-gather output freed right
+   after the copy-out); FSDP2 prefetches the previous sharded unit's all-gather meanwhile (past DDP's units). Each
+   module's backward produces its parameters' unsharded gradients, holds its output gradient and input gradient,
+   then frees its activations (a split Linear's slices each hold the whole output gradient, and their input
+   gradients add up). After a unit's backward its parameters are freed (all modes), the previous reduce-scatter
    input is dropped, a new input is allocated, the unsharded gradients freed, and the sharded gradient
    allocated. Units that take the model's raw input (and global units) are reduced in the root's final
    callback, after the whole backward.

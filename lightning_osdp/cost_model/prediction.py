@@ -122,6 +122,11 @@ class Prediction:
         """The predicted peak in bytes."""
         return self.peak.total
 
+    def missed_bytes(self, measured_peak_bytes: int) -> int:
+        """How far a measured peak is above this prediction (0 when it is not): what the profile's
+        ``measured_peak_correction`` grows by when a run goes over its budget."""
+        return max(measured_peak_bytes - self.peak_bytes, 0)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able summary (saved in ``plan.info``)."""
         return {

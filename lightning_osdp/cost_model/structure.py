@@ -36,7 +36,7 @@ from lightning_osdp.cost_model.units import (
 )
 from lightning_osdp.grouping import ROOT, communication_units, covering_decision, slice_name
 from lightning_osdp.plan import MODES, Decision, Plan
-from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.profiling.model_profile import LossMemory, ModelProfile
 from lightning_osdp.topology import Topology
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "LocalUnit",
     "ModelInfo",
     "Node",
+    "OutsideModules",
     "Segment",
     "Structure",
     "build_segment",
@@ -77,10 +78,17 @@ class ModelInfo:
             ran.setdefault(name, i)
         registration = {name: i for i, name in enumerate(profile.modules)}
         big = len(registration) + len(ran) + 1
+        # A container whose own forward never runs (an ``nn.ModuleList`` of blocks) runs when its first descendant
+        # does: without this, the blocks would sort after the head that runs after them.
+        first_run: dict[str, int] = {}
+        for name in reversed(list(profile.modules)):
+            below = [first_run[c] for c in profile.modules[name].children if c in first_run]
+            first_run[name] = min([ran.get(name, big), *below])
 
         def key(name: str) -> tuple[int, int]:
-            # Children in the order they first ran; modules never seen running after those, as registered.
-            return (ran.get(name, big), registration[name])
+            # Children in the order they (or their first descendant) first ran; modules never seen running after
+            # those, as registered.
+            return (first_run.get(name, big), registration[name])
 
         self.children: dict[str, list[str]] = {
             name: sorted((c for c in mp.children if c in profile.modules), key=key)
@@ -197,9 +205,24 @@ class Node:
         return self.fwd + sum(c.forward_seconds() for c in self.children)
 
 
+@dataclass(frozen=True)
+class OutsideModules:
+    """What a step holds outside every module's forward, from the profile (see ``timeline.py`` [Note: the loss in
+    the timeline]).
+
+    Attributes:
+        loss: the measured memory of the loss region (``None``: a profile from before it was measured).
+        correction: bytes a run measured above its plan's prediction (``ModelProfile.measured_peak_correction``).
+    """
+
+    loss: LossMemory | None = None
+    correction: int = 0
+
+
 @dataclass
 class LocalUnit:
-    """One FSDP2 unit of a segment (or a global unit) with its figures under its mode."""
+    """One FSDP2 unit of a segment (or a global unit) with its figures under its mode. The root unit also carries
+    what the step holds outside every module (``outside``): its forward is the whole ``training_step``."""
 
     names: tuple[str, ...]
     decision_name: str
@@ -208,6 +231,7 @@ class LocalUnit:
     bytes: UnitBytes
     time: UnitTime
     deferred: bool
+    outside: OutsideModules | None = None
 
 
 @dataclass
@@ -331,7 +355,10 @@ def global_unit(info: ModelInfo, name: str, holders: Sequence[str], covered: Seq
     """A global unit (the root, or a tied list group) covering the own parameters of ``covered``."""
     params = [p for n in covered for p in info.params[n]]
     compute = sum(info.modules[n].fwd_seconds + info.modules[n].bwd_seconds for n in covered)
-    return _make_unit(info, tuple(holders), name, mode, params, _optim_bytes(info, covered), compute, deferred=True)
+    unit = _make_unit(info, tuple(holders), name, mode, params, _optim_bytes(info, covered), compute, deferred=True)
+    if name == ROOT:
+        unit.outside = OutsideModules(info.profile.loss, info.profile.measured_peak_correction)
+    return unit
 
 
 def build_segment(
@@ -455,15 +482,16 @@ class _SegmentBuilder:
     def _split_node(self, name: str) -> Node:
         """A split Linear: a parent holding the activations, with one child per slice (its unit and its share).
 
-        Transients beyond a Linear's: in forward, ``torch.cat`` allocates the output while the slices' outputs are
-        alive (twice the output); in backward, each slice runs with the whole output gradient alive (the views
-        ``cat``'s backward hands out) and adds its input gradient to the one accumulated over the slices before it
-        (twice the input; from the third slice on, autograd's out-of-place sum makes it three times, as measured on
-        a 4-block GPT: split 2 matched the model at twice, split 8 was one input gradient over it)."""
+        The slices' outputs are kept until ``torch.cat`` joins them, and in backward the concatenated output's
+        gradient is alive while every slice runs, so each slice counts the whole output. Each slice's backward also
+        produces a whole input gradient, which autograd adds to the sum of those before it out of place (measured:
+        the sum, the new one and their sum are alive together), so every slice but the first to run in backward (the
+        last) counts three."""
         info = self.info
         mp = info.modules[name]
         k = len(self.slice_index[name])
-        node = Node(name, None, mp.activation_bytes, 2 * mp.output_bytes, 0, 0, None, 0.0, 0.0)
+        node = Node(name, None, mp.activation_bytes, mp.output_bytes, 0, 0, None, 0.0, 0.0)
+        inp = info.input_bytes.get(name, 0)
         for i, (u, sp) in enumerate(zip(self.slice_index[name], split_params(info.params[name], k), strict=True)):
             node.children.append(
                 Node(
@@ -471,7 +499,7 @@ class _SegmentBuilder:
                     u,
                     0,
                     mp.output_bytes,
-                    (2 if k <= 2 else 3) * info.input_bytes.get(name, 0),
+                    inp if i == k - 1 else 3 * inp,
                     sum(p.nbytes for p in sp if p.trainable),
                     u,
                     mp.fwd_seconds * (1.0 / k),
@@ -487,7 +515,9 @@ def _free_node(info: ModelInfo, name: str) -> Node:
         name,
         None,
         mp.activation_bytes,
-        mp.output_bytes,
+        # A container's output is its last child's, whose node counts it (the model's root's: the logits, which the
+        # loss region counts); its gradient is in flight at the start of the container's backward, not at the end.
+        0 if info.children[name] else mp.output_bytes,
         info.input_bytes.get(name, 0),
         0,
         None,

@@ -35,6 +35,33 @@ run anyway), the first saved tensor it needs runs the forward again: its subtree
 units nested in it are gathered by their own pre-forward hooks there, and the backward then frees the activations
 module by module as without recomputation; the kept inputs go when its backward ends. The step pays the subtree's
 forward seconds once more.
+
+[Note: the loss in the timeline]
+The profile measures the loss region (``lightning_osdp/profiling/loss_region.py``) as live bytes relative to three
+instants, and each falls at one place of the walk (``LossMemory``'s fields: ``o`` the model's output, ``f`` the
+forward peak, ``s`` what backward starts with, ``b`` the backward peak, ``e`` what the first module's backward
+finds, ``x`` activations saved outside modules before the region):
+
+* *the model's last call returned*: the end of the forward walk, whose last instant is the level plus the last
+  module's output, before the root reshards. The ``loss`` instant is there: ``level + pending + x + o + f``;
+* *backward starts*: after the root's post-forward (it reshards) and Lightning's ``zero_grad`` (the previous step's
+  gradients go), and after the root's pre-backward, which gathers the root again and prefetches the unit whose
+  forward ended last (a tied embedding/LM-head group, else the last segment's). The ``loss backward`` instant is
+  there: ``level + prefetch + x + o + s + b``. A tied group's own pre-backward runs on its last holder's output
+  gradient, so after the loss's backward;
+* *the first module's backward runs*: the walk's first backward instant, which counts that module's output
+  gradient (``node.out``) itself. What the region leaves beyond it, ``x + s + e`` (the logits a returned dict keeps,
+  activations saved outside modules), stays in the level for the rest of the step: held by the step's output until
+  after the optimizer step, or freed late in backward, which the walk takes as the end of the step (an upper
+  bound).
+
+A profile from before the region was measured (``loss`` is ``None``) keeps the rule it was made with:
+``extra_activation_bytes`` plus the last module's output at both instants, and nothing after.
+
+The figures reach the walk on the root unit (``LocalUnit.outside``), which every backend builds with
+``global_unit``: the root's forward is the whole ``training_step`` (``apply/executor.py``), loss included. So does
+``ModelProfile.measured_peak_correction``, held from the step's start to its end (counted as activations: what a
+run allocated beyond the model's figures), so that every instant, and so the peak wherever it falls, carries it.
 """
 
 from __future__ import annotations
@@ -44,7 +71,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from lightning_osdp.cost_model.parts import ZERO, MemoryParts
-from lightning_osdp.cost_model.structure import FreeRun, LocalUnit, Node, Segment
+from lightning_osdp.cost_model.structure import FreeRun, LocalUnit, Node, OutsideModules, Segment
 
 __all__ = [
     "Backend",
@@ -463,6 +490,8 @@ class FreeCosts:
     bwd_net: MemoryParts
     fwd_at: str = ""
     bwd_at: str = ""
+    #: the run's modules, in forward order
+    names: tuple[str, ...] = ()
 
 
 def simulate_free(run: FreeRun) -> FreeCosts:
@@ -480,7 +509,8 @@ def simulate_free(run: FreeRun) -> FreeCosts:
         if (cur + _acts(node.out + node.inp)).total > bwd_peak.total:
             bwd_peak, bwd_at = cur + _acts(node.out + node.inp), node.name
         cur -= _acts(node.act)
-    return FreeCosts(fwd_peak, fwd_net, bwd_peak, cur, _label(fwd_at), _label(bwd_at))
+    names = tuple(node.name for node in run.nodes)
+    return FreeCosts(fwd_peak, fwd_net, bwd_peak, cur, _label(fwd_at), _label(bwd_at), names)
 
 
 def _label(name: str) -> str:
@@ -584,6 +614,7 @@ class _StepWalk(Generic[V]):
         self.loss_activations = be.const(ZERO)
         self.prefetch = be.const(ZERO)
         self.reduce_pending = be.const(ZERO)
+        self.outside = _outside(spec)
 
     # ------------------------------------------------------------------ values of one choice
     def pick(self, g: GlobalChoice, attr: str, only_full_shard: bool = False) -> V:
@@ -605,8 +636,8 @@ class _StepWalk(Generic[V]):
     def step_start(self) -> None:
         """Persistent state at the step's start: parameters, optimizer state, DDP buckets, last step's gradients."""
         be = self.be
-        # Buffers (never sharded) are counted with the parameters.
-        persistent = be.const(_params(self.spec.buffer_bytes))
+        # Buffers (never sharded) are counted with the parameters; a measured correction is held all step.
+        persistent = be.const(_params(self.spec.buffer_bytes) + _acts(self.outside.correction))
         grads = be.const(ZERO)
         for g in self.globals:
             persistent = be.add(
@@ -640,12 +671,23 @@ class _StepWalk(Generic[V]):
             be.checkpoint(label, be.add(self.level, self.pending))
         self.level = be.materialize(self.level, "level_globals")
         bound_pending = self.spec.globals_bound_pending
+        # On CPU a tied group frees its buffer when its first holder's forward ends (the executor's release hook is
+        # on every holder); the root's lives to the end of the step, so it bounds what a DDP segment finds pending.
+        released: set[str] = set()
+        last = self.globals[-1] if self.globals else None
+        if self.spec.release_after_forward and last is not None and not last.is_root:
+            released = {name for u in last.options.values() for name in u.names}
+            bound_pending = max(
+                (u.bytes.flat for g in self.globals if g.is_root for u in g.options.values()), default=0
+            )
         for i, item in enumerate(self.spec.items):
             if isinstance(item, FreeCosts):
                 be.checkpoint(
                     f"forward {item.fwd_at}", be.add(be.add(self.level, self.pending), be.const(item.fwd_peak))
                 )
                 self.level = be.add(self.level, be.const(item.fwd_net))
+                if released & set(item.names):
+                    self.pending, released = be.const(ZERO), set()
                 continue
             self._forward_segment(i, item, bound_pending)
             if not self.spec.release_after_forward:
@@ -671,35 +713,70 @@ class _StepWalk(Generic[V]):
 
     def loss(self) -> None:
         """The end of the forward: tied groups reshard, the loss is computed, the root reshards, the gradients of
-        the previous step are dropped."""
+        the previous step are dropped (see [Note: the loss in the timeline])."""
         be = self.be
         for g in self.globals:
             if not g.is_root:  # a tied group reshards after its last holder's forward, before the loss
                 self.level = be.sub(self.level, self.pick(g, "gathered", only_full_shard=True))
-        self.loss_activations = be.const(_acts(self.spec.extra_activation_bytes + self.spec.last_output_bytes))
-        be.checkpoint("loss", be.add(be.add(self.level, self.pending), self.loss_activations))
+        loss = self.outside.loss
+        if loss is None:
+            peak = at_backward = self.spec.extra_activation_bytes + self.spec.last_output_bytes
+        else:
+            held = loss.outside_activation_bytes + loss.output_bytes
+            peak = held + loss.forward_peak_bytes
+            at_backward = max(held + loss.backward_start_bytes, 0)
+        be.checkpoint("loss", be.add(be.add(self.level, self.pending), be.const(_acts(peak))))
+        self.loss_activations = be.const(_acts(at_backward))
         for g in self.globals:
             if g.is_root:
                 self.level = be.sub(self.level, self.pick(g, "gathered", only_full_shard=True))
         self.level = be.sub(self.level, self.grads)  # zero_grad(set_to_none=True) after training_step, before backward
 
     def backward(self) -> None:
-        """The global units gather again (the root's pre-backward), then every item in reverse forward order."""
+        """The root's pre-backward (it gathers again and prefetches), the loss's backward (see [Note: the loss in the
+        timeline]), the tied groups' pre-backwards (on their last holder's output gradient), then every item in
+        reverse forward order."""
         be = self.be
         for g in self.globals:
-            be.checkpoint(
-                f"backward gather {_label(str(g.key))}",
-                be.add(
-                    be.add(self.level, self.pick(g, "gathered", only_full_shard=True)),
-                    self.pick(g, "flat", only_full_shard=True),
-                ),
-            )
-            self.level = be.add(self.level, self.pick(g, "gathered", only_full_shard=True))
-            # Gradients of the global units' parameters (embedding, LM head) exist from the start of backward until
-            # the final callback reduces them.
+            if g.is_root:
+                self._backward_gather(g, be.const(ZERO))
+        # The root prefetches the unit whose forward ended last: a tied group holding the LM head, else the last
+        # segment's last unit.
+        last_tied = self._tied_group_last()
+        segment_prefetch = self._in_flight(len(self.segments) - 1) if self.segments else be.const(ZERO)
+        if last_tied is not None:
+            self.prefetch = self.pick(last_tied, "flat", only_full_shard=True)
+        else:
+            self.prefetch = segment_prefetch
+        loss = self.outside.loss
+        transient = be.const(_acts(loss.backward_peak_bytes if loss is not None else 0))
+        be.checkpoint(
+            "loss backward", be.add(be.add(self.level, self.prefetch), be.add(self.loss_activations, transient))
+        )
+        if loss is not None:
+            # What the loss region leaves once the first module's backward has its output gradient (counted by the
+            # walk): held until the step ends (see [Note: the loss in the timeline]).
+            kept = loss.outside_activation_bytes + loss.backward_start_bytes + loss.backward_end_bytes
+            self.level = be.add(self.level, be.const(_acts(max(kept, 0))))
+        output_gradient = be.const(_acts(loss.output_bytes if loss is not None else self.spec.last_output_bytes))
+        for g in self.globals:
+            if g.is_root:
+                continue
+            if g is last_tied:
+                # Its all-gather was issued by the root (the prefetch): only the copy-out is left; then it prefetches
+                # the last segment's unit.
+                gathered = self.pick(g, "gathered", only_full_shard=True)
+                label = f"backward gather {_label(str(g.key))}"
+                be.checkpoint(label, be.add(be.add(self.level, self.prefetch), be.add(gathered, output_gradient)))
+                self.level = be.add(self.level, gathered)
+                self.prefetch = segment_prefetch
+                be.checkpoint(label, be.add(be.add(self.level, self.prefetch), output_gradient))
+            else:
+                self._backward_gather(g, be.add(self.prefetch, output_gradient))
+        for g in self.globals:
+            # Gradients of the global units' parameters (embedding, LM head) are produced in backward and kept until
+            # the final callback reduces them: counted from the first module's backward on.
             self.level = be.add(self.level, self.pick(g, "grad_full"))
-        self.prefetch = self.seg(self.segments[-1], "prefetched") if self.segments else be.const(ZERO)
-        be.checkpoint("loss backward", be.add(be.add(self.level, self.prefetch), self.loss_activations))
         self.level = be.materialize(self.level, "level_backward")
         bound_reduce = 0
         seen = len(self.segments)
@@ -713,19 +790,67 @@ class _StepWalk(Generic[V]):
                 self.level = be.add(self.level, be.const(item.bwd_net))
                 continue
             seen -= 1
-            earlier = self.seg(self.segments[seen - 1], "prefetched") if seen > 0 else be.const(ZERO)
-            self._backward_segment(i, item, earlier, bound_reduce)
+            earlier = self._in_flight(seen - 1) if seen > 0 else be.const(ZERO)
+            self._backward_segment(i, item, earlier, bound_reduce, self._passing(seen))
             bound_reduce = max(bound_reduce, item.bound_reduce_input)
             self.prefetch = earlier
 
-    def _backward_segment(self, i: int, item: SegmentChoice, earlier: V, bound_reduce: int) -> None:
+    def _passing(self, k: int) -> int:
+        """The largest all-gather output prefetched for a segment before the ``k``-th (in forward order): the whole
+        segment as one sharded unit (see :meth:`_in_flight`)."""
+        if not self.spec.any_sharded:
+            return 0
+        return max((s.bound_pending for s in self.segments[:k]), default=0)
+
+    def _in_flight(self, k: int) -> V:
+        """The all-gather output prefetched for the ``k``-th segment (in forward order) when its backward is next.
+
+        FSDP2 prefetches the unit whose forward ended before the current one's among *its* units: DDP's are not, so
+        an option of the segment without a sharded unit lets the prefetch reach past it to an earlier segment, and
+        the buffer is alive through its backward. Which one depends on the earlier segments' options (a product of
+        choices), so it is bounded as the forward bounds a pending buffer (see [Note: pending buffers across DDP
+        segments])."""
+        s = self.segments[k]
+        passing = _comm(self._passing(k))
+        return self.be.choice(s.key, {o: c.prefetched if c.frees_pending else passing for o, c in s.options.items()})
+
+    def _tied_group_last(self) -> GlobalChoice | None:
+        """The tied group whose forward ends after every segment's (its last holder runs in a free run after the last
+        segment: an LM head tied to the embedding), if any; FSDP2 ends a group's forward when its last holder's
+        does."""
+        items = self.spec.items
+        last_segment = max((i for i, item in enumerate(items) if isinstance(item, SegmentChoice)), default=-1)
+        order = [name for item in items[last_segment + 1 :] if isinstance(item, FreeCosts) for name in item.names]
+        last: tuple[int, GlobalChoice] | None = None
+        for g in self.globals:
+            if g.is_root:
+                continue
+            holders = {name for u in g.options.values() for name in u.names}
+            ends = [i for i, name in enumerate(order) if name in holders]
+            if ends and (last is None or max(ends) > last[0]):
+                last = (max(ends), g)
+        return last[1] if last is not None else None
+
+    def _backward_gather(self, g: GlobalChoice, alongside: V) -> None:
+        """A global unit's pre-backward: ``full_shard`` units gather again, with ``alongside`` alive."""
         be = self.be
-        self.level = be.materialize(be.add(self.level, self.prefetch), f"bwd_start_{i}")
+        gathered = self.pick(g, "gathered", only_full_shard=True)
+        be.checkpoint(
+            f"backward gather {_label(str(g.key))}",
+            be.add(be.add(self.level, alongside), be.add(gathered, self.pick(g, "flat", only_full_shard=True))),
+        )
+        self.level = be.add(self.level, gathered)
+
+    def _backward_segment(self, i: int, item: SegmentChoice, earlier: V, bound_reduce: int, passing: int) -> None:
+        be = self.be
+        # The segment's own prefetched buffer is part of its level (its simulation frees it); an option without a
+        # sharded unit has none, and the prefetch for an earlier segment passes through it (see `_in_flight`).
+        self.level = be.materialize(be.add(self.level, self.seg(item, "prefetched")), f"bwd_start_{i}")
+        through = _comm(passing)
         for cls in BWD_CLASSES:
             cross = ([self.reduce_pending] if cls[0] else []) + ([earlier] if cls[1] else [])
-            be.checkpoint_options(
-                f"backward {item.key}", self.level, cross, item.key, {o: c.bwd[cls] for o, c in item.options.items()}
-            )
+            values = {o: _passed(c.bwd[cls], through, c.frees_pending) for o, c in item.options.items()}
+            be.checkpoint_options(f"backward {item.key}", self.level, cross, item.key, values)
         self.level = be.materialize(be.add(self.level, self.seg(item, "bwd_net")), f"bwd_level_{i}")
         reduce = {o: c.frees_reduce_input for o, c in item.options.items()}
         if all(reduce.values()):
@@ -783,6 +908,21 @@ class _StepWalk(Generic[V]):
             be.seconds(g.key, {o: u.time.added for o, u in g.options.items()})
         for s in self.segments:
             be.seconds(s.key, {o: c.seconds for o, c in s.options.items()})
+
+
+def _passed(value: MemoryParts | None, through: MemoryParts, sharded: bool) -> MemoryParts | None:
+    """A backward instant of a segment's option, with the buffer passing through an option without sharded units."""
+    return value if sharded or value is None else value + through
+
+
+def _outside(spec: TimelineInput[V]) -> OutsideModules:
+    """What the root unit carries of the step outside modules (every option of it carries the same)."""
+    for g in spec.globals:
+        if g.is_root:
+            outside = next(iter(g.options.values())).outside
+            if outside is not None:
+                return outside
+    return OutsideModules()
 
 
 def _parts_for(attr: str, value: int) -> MemoryParts:

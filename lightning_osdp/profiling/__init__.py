@@ -18,7 +18,7 @@ from lightning_osdp.profiling.collectives import (
 from lightning_osdp.profiling.errors import ProfilingError
 from lightning_osdp.profiling.fit import fit_latency_throughput
 from lightning_osdp.profiling.mixed_precision import profile_with_policy
-from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
+from lightning_osdp.profiling.model_profile import CollectiveFit, LossMemory, ModelProfile, ModuleProfile
 from lightning_osdp.profiling.optimizer_state import OptimizerSpec
 from lightning_osdp.profiling.profiler import MODES, profile
 from lightning_osdp.profiling.rates import DeviceRates, measure_copy_bandwidth, measure_device_rates
@@ -30,6 +30,7 @@ __all__ = [
     "MODES",
     "CollectiveFit",
     "DeviceRates",
+    "LossMemory",
     "ModelProfile",
     "ModuleProfile",
     "NodeGroups",

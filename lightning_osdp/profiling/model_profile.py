@@ -8,6 +8,7 @@ the first module that ``named_modules()`` yields holding it; ``ModelProfile.tied
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from typing import Any
 
 from lightning_osdp.profiling.rates import DeviceRates
 
-__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "ModelProfile", "ModuleProfile"]
+__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "LossMemory", "ModelProfile", "ModuleProfile"]
 
 PROFILE_FORMAT = "lightning_osdp.profile"
 #: ``version`` field of a profile file this release writes; it reads this one and every earlier one (see
@@ -35,6 +36,9 @@ _READS_VERSIONS = (1, 2, PROFILE_VERSION)
 # Version 3 fits the collectives per level of the network (``collectives`` within a node, ``inter_node_collectives``
 # across nodes, on ``nodes`` nodes; see ``lightning_osdp/cost_model/network.py``). Every earlier profile was measured
 # on one group of ranks, which the cost model treats as one node: it loads with ``nodes`` 1 and no across-node fits.
+# Version 3 also adds ``loss`` (the measured memory of the loss region, see ``lightning_osdp/profiling/loss_region.py``)
+# and ``measured_peak_correction``. An earlier file reads with ``loss = None``, which the cost model counts as
+# version 2 did (the activations saved outside modules and the last module's output), and no correction.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -114,6 +118,36 @@ class CollectiveFit:
 
 
 @dataclass
+class LossMemory:
+    """The memory of a step's *loss region*: from the instant the model's last call returns (its output, the logits,
+    in hand) to the instant the first module's backward runs. Live bytes measured on the device in the profiled
+    step (see ``lightning_osdp/profiling/loss_region.py`` [Note: the loss region]), each relative to the live bytes
+    at an instant, so that the cost model adds them to the level it predicts there.
+
+    Attributes:
+        output_bytes: the output of the model's last call (the logits), live when the region starts.
+        forward_peak_bytes: the largest live bytes from the region's start to the start of backward, above those at
+            the start: the loss's and the metrics' transients (log-softmax, a float copy of the logits).
+        backward_start_bytes: live bytes when backward starts less those at the region's start: what the loss keeps
+            for backward (its saved tensors, tensors a returned dict holds) less what it freed (the logits, when
+            nothing keeps them). Negative when it frees more than it keeps.
+        backward_peak_bytes: the largest live bytes from the start of backward until the first module's backward
+            runs, above those at the start of backward: the loss's gradients.
+        backward_end_bytes: live bytes when the first module's backward runs less those at the start of backward:
+            the gradient of the output, less the loss's saved tensors freed.
+        outside_activation_bytes: tensors saved for backward outside every module before the region (part of
+            ``ModelProfile.extra_activation_bytes``, which also counts the region's own).
+    """
+
+    output_bytes: int = 0
+    forward_peak_bytes: int = 0
+    backward_start_bytes: int = 0
+    backward_peak_bytes: int = 0
+    backward_end_bytes: int = 0
+    outside_activation_bytes: int = 0
+
+
+@dataclass
 class ModelProfile:
     """A model measured on one device, with the collectives of its process group.
 
@@ -138,7 +172,8 @@ class ModelProfile:
             forward and backward times, so that the modules' times plus this add up to the measured step.
         optimizer_step_seconds: the part of ``step_overhead_seconds`` spent in ``optimizer.step()`` over the
             unsharded parameters (it shrinks with the parameters a rank updates).
-        extra_activation_bytes: saved-for-backward bytes outside any module's forward (loss computation).
+        extra_activation_bytes: saved-for-backward bytes outside any module's forward (loss computation). The cost
+            model reads it only when ``loss`` is ``None``.
         profiling_seconds: wall time spent profiling (collectives included).
         info: notes for people, read by no stage: the torch version and thread count, the measured step time and
             its unattributed part, how long the collective benchmark took, how the optimizer state was counted.
@@ -154,6 +189,11 @@ class ModelProfile:
             under FSDP2's ``MixedPrecisionPolicy`` (``OSDPStrategy(mixed_precision=...)``): traced with the parameters
             in ``param_dtype``, while the byte figures of parameters, gradients and optimizer state are of the
             parameters as stored (see ``lightning_osdp/profiling/mixed_precision.py``); ``None``: no policy.
+        loss: the measured memory of the loss region (:class:`LossMemory`); ``None`` in a profile from before it
+            was measured (version 2 and earlier).
+        measured_peak_correction: bytes a run measured above its plan's predicted peak when that peak went over the
+            memory budget (recorded by ``OSDPStrategy`` at its first check, see ``docs/how-it-works.md``); the cost
+            model holds them for the whole step, so that a plan made from this profile keeps them free.
     """
 
     modules: dict[str, ModuleProfile]
@@ -177,6 +217,8 @@ class ModelProfile:
     mixed_precision: dict[str, str] | None = None
     nodes: int = 1
     inter_node_collectives: dict[str, CollectiveFit] = field(default_factory=dict)
+    loss: LossMemory | None = None
+    measured_peak_correction: int = 0
 
     def __str__(self) -> str:
         """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""
@@ -207,11 +249,13 @@ class ModelProfile:
         collectives = _fits(body.pop("collectives", {}))
         inter_node = _fits(body.pop("inter_node_collectives", {}))
         rates = body.pop("rates", None)
+        loss = body.pop("loss", None)
         return cls(
             modules=modules,
             collectives=collectives,
             inter_node_collectives=inter_node,
             rates=DeviceRates(**rates) if rates is not None else None,
+            loss=LossMemory(**loss) if loss is not None else None,
             **body,
         )
 
@@ -229,6 +273,13 @@ class ModelProfile:
         """Read a profile written by :meth:`save`."""
         path = Path(path)
         return cls.from_dict(json.loads(path.read_text()), source=str(path))
+
+    def with_correction(self, missed_bytes: int) -> ModelProfile:
+        """A copy whose ``measured_peak_correction`` is ``missed_bytes`` larger (a run measured that much above the
+        prediction made with this profile)."""
+        if missed_bytes < 0:
+            raise ValueError(f"a measured correction only grows, got {missed_bytes} bytes")
+        return dataclasses.replace(self, measured_peak_correction=self.measured_peak_correction + missed_bytes)
 
     # ------------------------------------------------------------------ queries
     def subtree(self, name: str) -> list[str]:

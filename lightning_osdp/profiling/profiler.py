@@ -42,6 +42,8 @@ from torch.optim import Optimizer
 
 from lightning_osdp._compat import fake_tensor_mode, tree_leaves, tree_map
 from lightning_osdp.budget import device_memory_capacity
+from lightning_osdp.distributed import from_rank_zero
+from lightning_osdp.memory import memory_meter
 from lightning_osdp.profiling.collectives import (
     DEFAULT_SIZES,
     NodeGroups,
@@ -50,7 +52,8 @@ from lightning_osdp.profiling.collectives import (
     zero_cost_collectives,
 )
 from lightning_osdp.profiling.errors import ProfilingError
-from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
+from lightning_osdp.profiling.loss_region import LossRegionRecorder
+from lightning_osdp.profiling.model_profile import CollectiveFit, LossMemory, ModelProfile, ModuleProfile
 from lightning_osdp.profiling.optimizer_state import (
     OptimizerSpec,
     OptimizerState,
@@ -135,12 +138,14 @@ class _Session:
         self.work = work
         self.runner = runner
         self.optimizers = optimizers
+        self.device = device
         self.estimated = estimated
         self.clock = device_clock(device)
         self.tracer = ModuleTracer(work, self.clock)
         self.state = OptimizerState()
         self.grad_bytes: dict[str, int] = {}
         self.failed_optimizers: list[Optimizer] = []
+        self.loss_memory: LossMemory | None = None
 
     def _backward(self, loss: Tensor, tracer: ModuleTracer | None) -> None:
         if not loss.requires_grad:
@@ -175,26 +180,33 @@ class _Session:
         if not self.optimizers:
             for p in self.work.parameters():
                 p.grad = None
+        self.runner.release()  # the end of the step: Lightning drops training_step's output about here
 
     def traced_step(self) -> StepRecord:
-        """The step that records activations, FLOPs, gradients and optimizer state."""
+        """The step that records activations, FLOPs, gradients, optimizer state and the loss region's memory."""
         excluded = [*self.work.parameters(), *self.work.buffers(), *tree_leaves(self.runner.batch)]
-        with self.tracer.iteration(memory=True, ops=True, excluded=excluded) as record:
-            with self.tracer.forward():
-                loss = self.runner.forward_loss()
-            self._backward(loss, self.tracer)
-            self.grad_bytes = grad_bytes_by_module(self.work)
-            unknown = state_from_rule(self.optimizers, self.work, self.state)
-            with self.tracer.optimizer():
-                self._step_optimizers()
-            stepped = [o for o in unknown if o not in self.failed_optimizers]
-            if stepped:
-                state_from_instance(stepped, self.work, self.state)
-                self.state.source = "instance"
-            failed = [o for o in unknown if o in self.failed_optimizers]
-            if failed:
-                state_from_proxy(failed, self.work, self.state)
-            self._zero_grad()
+        meter = memory_meter(self.device, fake=self.estimated).start(self.work, *self.optimizers)
+        region = LossRegionRecorder(meter)
+        try:
+            with self.tracer.iteration(memory=True, ops=True, excluded=excluded, region=region) as record:
+                with self.tracer.forward():
+                    loss = self.runner.forward_loss()
+                self._backward(loss, self.tracer)
+                self.grad_bytes = grad_bytes_by_module(self.work)
+                unknown = state_from_rule(self.optimizers, self.work, self.state)
+                with self.tracer.optimizer():
+                    self._step_optimizers()
+                stepped = [o for o in unknown if o not in self.failed_optimizers]
+                if stepped:
+                    state_from_instance(stepped, self.work, self.state)
+                    self.state.source = "instance"
+                failed = [o for o in unknown if o in self.failed_optimizers]
+                if failed:
+                    state_from_proxy(failed, self.work, self.state)
+                self._zero_grad()
+        finally:
+            meter.stop()
+        self.loss_memory = region.result()
         return record
 
     def hooked_step(self) -> StepRecord:
@@ -348,6 +360,166 @@ def _collectives(
     return benchmark_collectives(group, sizes=sizes, time_budget_seconds=budget), {}
 
 
+@dataclass
+class _Request:
+    """What ``profile`` was asked, checked and resolved (the same on every rank but for the memory it sees)."""
+
+    module: nn.Module
+    example_batch: Any
+    name: str
+    target: torch.device
+    spec: OptimizerSpec | None
+    param_names: dict[int, str]
+    param_bytes: int
+    mode: str
+    loss_fn: LossFn | None
+    step: str
+    step_context: Callable[[], AbstractContextManager[Any]] | None
+    repeats: int
+    rates: DeviceRates | None
+    copy_bytes_per_second: float | None
+    batch_source: str
+
+    @property
+    def estimated(self) -> bool:
+        return self.mode == "estimated"
+
+
+def _request(
+    module: nn.Module,
+    optimizer: OptimizerSpec | None,
+    device: torch.device | str | None,
+    repeats: int,
+    mode: str,
+    available_memory: int | None,
+    copy_bytes_per_second: float | None,
+    **passed: Any,
+) -> _Request:
+    """Check ``profile``'s arguments and resolve the device, the optimizers and the mode."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"profile() takes an nn.Module, not {type(module).__name__}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if copy_bytes_per_second is not None and not copy_bytes_per_second > 0:
+        raise ValueError(f"copy_bytes_per_second must be positive, got {copy_bytes_per_second}")
+    name = type(module).__name__
+    params = _unique_parameters(module)
+    if not params:
+        raise ProfilingError(f"{name} has no parameters: there is nothing to shard, so nothing to profile")
+    on_meta = any(t.is_meta for t in [*params, *module.buffers()])
+    target = _resolve_device(module, device, on_meta)
+    spec: OptimizerSpec | None = optimizer
+    if spec is None and is_lightning_module(module):
+        spec = optimizers_from_lightning_module(module)
+    instances = [o for o in (spec if isinstance(spec, (list, tuple)) else [spec]) if isinstance(o, Optimizer)]
+    return _Request(
+        module=module,
+        name=name,
+        target=target,
+        spec=spec,
+        param_names={id(p): n for n, p in module.named_parameters(remove_duplicate=False)},
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        mode=_choose_mode(mode, module, on_meta, target, state_copies(instances), available_memory),
+        repeats=repeats,
+        copy_bytes_per_second=copy_bytes_per_second,
+        **passed,
+    )
+
+
+def _replica(stack: ExitStack, request: _Request) -> tuple[nn.Module, Any]:
+    """The work copy of the model and the batch on the target device (fake tensors in estimated mode, whose mode is
+    entered on ``stack``)."""
+    target = request.target
+    if not request.estimated:
+        work = stack.enter_context(measured_replica(request.module, target))
+        return work, tree_map(lambda t: t.to(target) if isinstance(t, Tensor) else t, request.example_batch)
+    fake_mode = fake_tensor_mode()
+    work = stack.enter_context(fake_replica(request.module, target, fake_mode))
+    with fake_mode:
+        batch = tree_map(
+            lambda t: fake_mode.from_tensor(t).to(target) if isinstance(t, Tensor) else t, request.example_batch
+        )
+    stack.enter_context(fake_mode)
+    return work, batch
+
+
+def _traced(session: _Session, request: _Request) -> StepRecord:
+    """The traced step, an estimated mode's failure on fake tensors explained."""
+    try:
+        return session.traced_step()
+    except ProfilingError:
+        raise
+    except Exception as error:
+        if not request.estimated:
+            raise
+        raise ProfilingError(
+            f"{request.name} cannot be estimated on fake tensors ({type(error).__name__}: {error}); its step depends "
+            "on tensor values. Profile it in measured mode, on a smaller configuration if it does not fit"
+        ) from error
+
+
+def _profile_locally(request: _Request) -> ModelProfile:
+    """This rank's profile of the model, without collectives (see [Note: measured and estimated])."""
+    target, estimated, name = request.target, request.estimated, request.name
+    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": request.repeats}
+    rng_devices = (
+        [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
+    )
+    rates, copy_rate = request.rates, request.copy_bytes_per_second
+    with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=rng_devices))
+        # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
+        if estimated and rates is None:
+            rates = measure_device_rates(target, _floating_dtype(request.module))
+        if copy_rate is None:
+            copy_rate = measure_copy_bandwidth(target, min(max(request.param_bytes, 4 << 20), 64 << 20))
+        work, batch = _replica(stack, request)
+        runner = StepRunner(
+            work, batch, loss_fn=request.loss_fn, step_context=request.step_context, name=name, step=request.step
+        )
+        stack.enter_context(runner.quiet_logging())
+        if estimated:
+            stack.enter_context(runner.quiet_metrics())
+        optimizers = rebuild_optimizers(request.spec, request.param_names, work, name)
+        session = _Session(work, runner, optimizers, target, estimated)
+        record = _traced(session, request)
+        if estimated:
+            assert rates is not None  # given or measured above
+            timing = _estimated_timing(session, record, rates, info)
+        else:
+            timing = _measured_timing(session, record, request.repeats, info)
+        modules = _module_profiles(work, record, session, timing.modules)
+        _, tied = account_parameters(work)
+        info["optimizer_state"] = session.state.source if optimizers else "none"
+        if record.unsized_tensors:
+            # Fake tensors cannot know the size of a value-dependent result (boolean masking, nonzero).
+            info["value_dependent_sizes"] = record.unsized_tensors
+            warnings.warn(
+                f"{name}: {record.unsized_tensors} saved tensors or FLOP counts have value-dependent sizes that "
+                "estimated mode counts as 0; its activation bytes and times are lower bounds",
+                stacklevel=5,  # profile()'s caller, through from_rank_zero
+            )
+    trainable_with_grad = sum(session.grad_bytes.values())
+    device_name = str(target) + (f" ({torch.cuda.get_device_name(target)})" if target.type == "cuda" else "")
+    return ModelProfile(
+        modules=modules,
+        device=device_name,
+        mode=request.mode,
+        optimizer="+".join(type(o).__name__ for o in optimizers),
+        optim_state_factor=session.state.total_tensor_bytes / trainable_with_grad if trainable_with_grad else 0.0,
+        tied=tied,
+        batch={**describe_batch(request.example_batch), "source": request.batch_source},
+        step_overhead_seconds=timing.overhead,
+        extra_activation_bytes=record.outside.activation_bytes,
+        info=info,
+        optimizer_step_seconds=timing.optimizer,
+        forward_order=record.forward_order,
+        copy_bytes_per_second=copy_rate,
+        rates=rates if estimated else None,
+        loss=session.loss_memory,
+    )
+
+
 def profile(
     module: nn.Module,
     example_batch: Any,
@@ -373,7 +545,7 @@ def profile(
     The model itself is left as it was: profiling runs a copy (see ``replica``), the global RNG state is restored,
     and ``self.log`` is a no-op meanwhile. When a process group is initialised this is a collective call: every
     rank of ``group`` must call it, the collectives are benchmarked on ``group``, and every rank returns rank 0's
-    profile (so that every rank builds the same plan).
+    profile (so that every rank builds the same plan); an error on any rank is raised on every rank.
 
     Args:
         module: a LightningModule (the step is ``training_step(batch, 0)``; the loss is its return value or its
@@ -411,122 +583,44 @@ def profile(
             depends on tensor values.
     """
     start = time.perf_counter()
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"profile() takes an nn.Module, not {type(module).__name__}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    if copy_bytes_per_second is not None and not copy_bytes_per_second > 0:
-        raise ValueError(f"copy_bytes_per_second must be positive, got {copy_bytes_per_second}")
-    name = type(module).__name__
-    params = _unique_parameters(module)
-    if not params:
-        raise ProfilingError(f"{name} has no parameters: there is nothing to shard, so nothing to profile")
-    on_meta = any(t.is_meta for t in [*params, *module.buffers()])
-    target = _resolve_device(module, device, on_meta)
-    param_names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    spec: OptimizerSpec | None = optimizer
-    if spec is None and is_lightning_module(module):
-        spec = optimizers_from_lightning_module(module)
-    instances = [o for o in (spec if isinstance(spec, (list, tuple)) else [spec]) if isinstance(o, Optimizer)]
-    chosen = _choose_mode(mode, module, on_meta, target, state_copies(instances), available_memory)
-    estimated = chosen == "estimated"
 
-    info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats}
-    rng_devices = (
-        [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
+    def local() -> tuple[dict[str, Any], int]:
+        request = _request(
+            module,
+            optimizer,
+            device,
+            repeats,
+            mode,
+            available_memory,
+            copy_bytes_per_second,
+            example_batch=example_batch,
+            loss_fn=loss_fn,
+            step=step,
+            step_context=step_context,
+            rates=rates,
+            batch_source=batch_source,
+        )
+        return _profile_locally(request).to_dict(), request.param_bytes
+
+    # Every rank checks the arguments and profiles its own replica; an error on one is raised on all, before any rank
+    # enters the benchmark's collectives (where the others would wait for it); then every rank takes rank 0's figures.
+    what = f"profiling {type(module).__name__}"
+    document, param_bytes = from_rank_zero(local, what=what, everywhere=True, group=group)
+    result = ModelProfile.from_dict(document, source="rank 0")
+
+    def benchmark() -> tuple[dict[str, CollectiveFit], dict[str, CollectiveFit], float, float]:
+        started = time.perf_counter()
+        fits, across = _collectives(collectives, group, node_groups, param_bytes, collective_time_budget)
+        return fits, across, time.perf_counter() - started, time.perf_counter() - start
+
+    # Collectives inside: every rank joins; rank 0's fits and timings are kept.
+    fits, across, benchmark_seconds, total_seconds = from_rank_zero(
+        benchmark, what="benchmarking collectives", everywhere=True, group=group
     )
-    with ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=rng_devices))
-        # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
-        if estimated and rates is None:
-            rates = measure_device_rates(target, _floating_dtype(module))
-        param_bytes = sum(p.numel() * p.element_size() for p in params)
-        if copy_bytes_per_second is None:
-            copy_bytes_per_second = measure_copy_bandwidth(target, min(max(param_bytes, 4 << 20), 64 << 20))
-        if estimated:
-            fake_mode = fake_tensor_mode()
-            work = stack.enter_context(fake_replica(module, target, fake_mode))
-            with fake_mode:
-                batch = tree_map(
-                    lambda t: fake_mode.from_tensor(t).to(target) if isinstance(t, Tensor) else t, example_batch
-                )
-            stack.enter_context(fake_mode)
-        else:
-            work = stack.enter_context(measured_replica(module, target))
-            batch = tree_map(lambda t: t.to(target) if isinstance(t, Tensor) else t, example_batch)
-        runner = StepRunner(work, batch, loss_fn=loss_fn, step_context=step_context, name=name, step=step)
-        stack.enter_context(runner.quiet_logging())
-        if estimated:
-            stack.enter_context(runner.quiet_metrics())
-        optimizers = rebuild_optimizers(spec, param_names, work, name)
-        session = _Session(work, runner, optimizers, target, estimated)
-        try:
-            record = session.traced_step()
-        except ProfilingError:
-            raise
-        except Exception as error:
-            if not estimated:
-                raise
-            raise ProfilingError(
-                f"{name} cannot be estimated on fake tensors ({type(error).__name__}: {error}); its step depends on "
-                "tensor values. Profile it in measured mode, on a smaller configuration if it does not fit"
-            ) from error
-        if estimated:
-            assert rates is not None  # given or measured above
-            timing = _estimated_timing(session, record, rates, info)
-        else:
-            timing = _measured_timing(session, record, repeats, info)
-        modules = _module_profiles(work, record, session, timing.modules)
-        _, tied = account_parameters(work)
-        info["optimizer_state"] = session.state.source if optimizers else "none"
-        if record.unsized_tensors:
-            # Fake tensors cannot know the size of a value-dependent result (boolean masking, nonzero).
-            info["value_dependent_sizes"] = record.unsized_tensors
-            warnings.warn(
-                f"{name}: {record.unsized_tensors} saved tensors or FLOP counts have value-dependent sizes that "
-                "estimated mode counts as 0; its activation bytes and times are lower bounds",
-                stacklevel=2,
-            )
-        extra_activation = record.outside.activation_bytes
-
-    trainable_with_grad = sum(session.grad_bytes.values())
-    factor = session.state.total_tensor_bytes / trainable_with_grad if trainable_with_grad else 0.0
-    benchmark_start = time.perf_counter()
-    fits, across = _collectives(collectives, group, node_groups, param_bytes, collective_time_budget)
-    info["collectives_seconds"] = time.perf_counter() - benchmark_start
-    nodes = node_groups.nodes if across and node_groups is not None else 1
-    world_size = (next(iter(fits.values())).world_size if fits else 1) * nodes
-    device_name = str(target) + (f" ({torch.cuda.get_device_name(target)})" if target.type == "cuda" else "")
-    result = ModelProfile(
-        modules=modules,
-        collectives=fits,
-        inter_node_collectives=across,
-        nodes=nodes,
-        world_size=world_size,
-        device=device_name,
-        mode=chosen,
-        optimizer="+".join(type(o).__name__ for o in optimizers),
-        optim_state_factor=factor,
-        tied=tied,
-        batch={**describe_batch(example_batch), "source": batch_source},
-        step_overhead_seconds=timing.overhead,
-        extra_activation_bytes=extra_activation,
-        info=info,
-        optimizer_step_seconds=timing.optimizer,
-        forward_order=record.forward_order,
-        copy_bytes_per_second=copy_bytes_per_second,
-        rates=rates if estimated else None,
-    )
-    result.profiling_seconds = time.perf_counter() - start
-    return _from_rank_zero(result, group)
-
-
-def _from_rank_zero(result: ModelProfile, group: Any) -> ModelProfile:
-    if not (dist.is_available() and dist.is_initialized()):
-        return result
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_world_size(group) == 1:
-        return result
-    box: list[Any] = [result.to_dict()]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return ModelProfile.from_dict(box[0], source="rank 0")
+    result.collectives = fits
+    result.inter_node_collectives = across
+    result.nodes = node_groups.nodes if across and node_groups is not None else 1
+    result.world_size = (next(iter(fits.values())).world_size if fits else 1) * result.nodes
+    result.info["collectives_seconds"] = benchmark_seconds
+    result.profiling_seconds = total_seconds
+    return result

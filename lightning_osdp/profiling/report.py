@@ -53,6 +53,20 @@ def _gflop(flops: float) -> str:
     return f"{flops / 1e9:.4f}" if flops else "0"
 
 
+def _loss_region(profile: ModelProfile) -> str:
+    """The loss region's figures and a measured correction, for the summary line (empty when neither is known)."""
+    parts = []
+    loss = profile.loss
+    if loss is not None:
+        output, forward, backward = (
+            format_bytes(b) for b in (loss.output_bytes, loss.forward_peak_bytes, loss.backward_peak_bytes)
+        )
+        parts.append(f"loss region: output {output}, forward peak +{forward}, backward peak +{backward}")
+    if profile.measured_peak_correction:
+        parts.append(f"measured correction {format_bytes(profile.measured_peak_correction)}")
+    return "".join(f"{part}, " for part in parts)
+
+
 def profile_tables(profile: ModelProfile, *, max_depth: int | None = None) -> list[Any]:
     """The renderables :func:`print_profile` prints: a summary line, the module table, the collectives table."""
     rate = f" (state x{profile.optim_state_factor:.2f})" if profile.optimizer else ""
@@ -62,7 +76,7 @@ def profile_tables(profile: ModelProfile, *, max_depth: int | None = None) -> li
         f"optimizer {profile.optimizer or 'none'}{rate}, batch {batch} ({profile.batch.get('source', '?')}); "
         f"step overhead {_ms(profile.step_overhead_seconds)} ms (optimizer {_ms(profile.optimizer_step_seconds)} ms), "
         f"activations outside modules {format_bytes(profile.extra_activation_bytes)}, "
-        f"profiled in {profile.profiling_seconds:.2f} s"
+        f"{_loss_region(profile)}profiled in {profile.profiling_seconds:.2f} s"
     )
     table = Table(box=box.SIMPLE_HEAD, title=None, show_footer=True)
     columns = [

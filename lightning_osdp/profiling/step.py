@@ -1,10 +1,14 @@
 """One training step of the user's model, as profiling runs it: forward to a scalar loss, nothing else.
 
 A LightningModule runs its own ``training_step(batch, 0)``; the loss is its return value (a tensor, or the
-``"loss"`` entry of a dict). A plain ``nn.Module``, or a LightningModule given its ``example_input_array``
-(``step="forward"``), runs ``forward`` on the batch, unpacked as Lightning unpacks ``example_input_array`` (a tuple
-or list positionally, a dict by keyword, anything else as the one argument), and the loss is
-``loss_fn(output, batch)`` when one is given, else the sum of the output's floating-point tensors.
+``"loss"`` entry of a dict). The runner keeps that return value until :meth:`StepRunner.release` (the end of the
+step), as Lightning's closure keeps it until after the optimizer step: a dict's other tensors (the logits, say) stay
+alive through backward, and the profile measures them (see ``loss_region.py``).
+
+A plain ``nn.Module``, or a LightningModule given its ``example_input_array`` (``step="forward"``), runs
+``forward`` on the batch, unpacked as Lightning unpacks ``example_input_array`` (a tuple or list positionally, a
+dict by keyword, anything else as the one argument), and the loss is ``loss_fn(output, batch)`` when one is given,
+else the sum of the output's floating-point tensors.
 
 [Note: logging while profiling]
 ``LightningModule.log`` is replaced by a no-op on the module being profiled: with a trainer attached and no loop
@@ -100,6 +104,8 @@ class StepRunner:
         if step == "training_step" and not self.lightning:
             raise ProfilingError(f"{self.name} is not a LightningModule: it has no training_step to profile")
         self.training_step = self.lightning and step != "forward"
+        #: ``training_step``'s return value, kept until :meth:`release`
+        self.output: Any = None
 
     @contextmanager
     def quiet_logging(self) -> Iterator[None]:
@@ -149,9 +155,13 @@ class StepRunner:
             ) from error
         return loss
 
+    def release(self) -> None:
+        """Drop the step's output (at the end of the step)."""
+        self.output = None
+
     def _loss(self) -> Tensor:
         if self.training_step:
-            output = self.module.training_step(self.batch, 0)  # type: ignore[operator]
+            output = self.output = self.module.training_step(self.batch, 0)  # type: ignore[operator]
             if isinstance(output, Mapping):
                 output = output.get("loss")
             if not isinstance(output, Tensor):

@@ -26,7 +26,13 @@ activations: the input a recomputation saves again is the one the checkpoint kep
 *Activations*: tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``) during the
 forward, charged to the innermost running module, counted by storage (a storage saved twice, or by two modules,
 counts once, at the first saver; a view saved keeps its whole storage alive, so the whole storage counts).
-Parameters, buffers and the batch are not activations: their storages are excluded.
+Parameters, buffers and the batch are not activations: their storages are excluded. A saved storage is known by a
+weak reference: the tracer does not keep it alive, so the step frees memory as it would untraced (what the loss
+region's measurement needs, see ``loss_region.py``).
+
+*The loss region*: given a :class:`~lightning_osdp.profiling.loss_region.LossRegionRecorder`, the tracer tells it
+when a top-level module holding parameters returns in forward, when backward starts, and when the first autograd
+node owned by a module starts.
 
 *Operators* (only when asked: the tracing costs Python time per operator): each ATen operator is seen by a
 ``TorchDispatchMode``; its FLOPs come from ``torch.utils.flop_counter``'s formulas (``FlopCounterMode``'s registry,
@@ -42,16 +48,20 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_osdp._compat import TorchDispatchMode, tree_leaves
+
+if TYPE_CHECKING:
+    from lightning_osdp.profiling.loss_region import LossRegionRecorder
 
 __all__ = ["ModuleRecord", "ModuleTracer", "OpTally", "StepRecord", "cpu_attention_flop_formulas", "storage_keys"]
 
@@ -233,6 +243,9 @@ class ModuleTracer:
         self.module = module
         self.clock = clock
         self.names = {id(mod): name for name, mod in module.named_modules()}
+        # Modules whose subtree holds parameters: the model's calls, as opposed to a torchmetrics Metric's.
+        self._holds_parameters = {id(mod) for mod in module.modules() if next(mod.parameters(), None) is not None}
+        self._region: LossRegionRecorder | None = None
         self._record: StepRecord | None = None
         self._phase: str | None = None
         self._stack: list[_Frame] = []
@@ -242,7 +255,7 @@ class ModuleTracer:
         self._node_handles: list[Any] = []
         self._memory = False
         self._excluded: set[int] = set()
-        self._saved: dict[int, Any] = {}
+        self._saved: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._bwd_owner: str | None = None
         self._bwd_start = 0.0
         self._unsized = 0
@@ -250,16 +263,23 @@ class ModuleTracer:
     # ---------------------------------------------------------------- one step
     @contextmanager
     def iteration(
-        self, *, memory: bool = False, ops: bool = False, excluded: Iterable[Any] = ()
+        self,
+        *,
+        memory: bool = False,
+        ops: bool = False,
+        excluded: Iterable[Any] = (),
+        region: LossRegionRecorder | None = None,
     ) -> Iterator[StepRecord]:
         """Trace one step run inside the block with :meth:`forward`, :meth:`backward` and :meth:`optimizer`.
 
         ``memory`` records activations and outputs (``excluded``: tensors whose storages are not activations);
         ``ops`` records operators (FLOPs and tallies). Times are always recorded; they are only meaningful
-        without ``ops``, whose dispatch mode costs time per operator.
+        without ``ops``, whose dispatch mode costs time per operator. ``region`` is told the instants of the loss
+        region (with ``memory``).
         """
         record = StepRecord({name: ModuleRecord() for name in self.names.values()})
         self._record, self._memory = record, memory
+        self._region = region if memory else None
         self._excluded = storage_keys(excluded) if memory else set()
         self._stack.clear()
         self._started.clear()
@@ -283,7 +303,7 @@ class ModuleTracer:
             self._owner.clear()
             self._saved.clear()
             self._stack.clear()
-            self._record, self._phase = None, None
+            self._record, self._phase, self._region = None, None, None
 
     @contextmanager
     def forward(self) -> Iterator[None]:
@@ -305,10 +325,14 @@ class ModuleTracer:
             self._node_handles.append(node.register_prehook(self._node_pre(owner)))
             self._node_handles.append(node.register_hook(self._node_post(owner)))
         self._phase = "backward"
+        if self._region is not None:
+            self._region.backward_started()
         try:
             loss.backward()
         finally:
             self._phase = None
+        if self._region is not None:
+            self._region.backward_ended()
 
     @contextmanager
     def optimizer(self) -> Iterator[None]:
@@ -347,11 +371,13 @@ class ModuleTracer:
         record.fwd_seconds += inclusive - frame.inner
         record.calls += 1
         leaves = tree_leaves(output)
-        if self._memory:
-            record.output_bytes += sum(_nbytes(t) for t in leaves if isinstance(t, Tensor))
+        output_bytes = sum(_nbytes(t) for t in leaves if isinstance(t, Tensor)) if self._memory else 0
+        record.output_bytes += output_bytes
         self._claim(leaves, frame.name)
         if self._stack:
             self._stack[-1].inner += inclusive + frame.hook + (self.clock() - end)
+        elif self._region is not None and id(mod) in self._holds_parameters:
+            self._region.model_returned(output_bytes, self._record.outside.activation_bytes)
 
     def _input_storages(self, leaves: Iterable[Any]) -> dict[int, int]:
         storages: dict[int, int] = {}
@@ -377,6 +403,8 @@ class ModuleTracer:
     # ---------------------------------------------------------------- autograd hooks
     def _node_pre(self, owner: str | None) -> Callable[[Any], None]:
         def hook(grad_outputs: Any) -> None:
+            if owner is not None and self._region is not None:
+                self._region.module_backward_started()
             self._bwd_owner = owner
             self._bwd_start = self.clock()
 
@@ -398,8 +426,10 @@ class ModuleTracer:
             except (RuntimeError, NotImplementedError):
                 return t
             key = int(storage._cdata)
-            if key not in self._excluded and key not in self._saved:
-                self._saved[key] = storage  # held, so that the key is not reused by a new storage this step
+            known = self._saved.get(key)
+            # A dead reference: the storage was freed and its address reused by a new one, which counts.
+            if key not in self._excluded and (known is None or known() is None):
+                self._saved[key] = weakref.ref(storage)
                 owner = self._stack[-1].name if self._stack else None
                 nbytes = _static(storage.nbytes())
                 if nbytes is None:

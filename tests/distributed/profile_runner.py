@@ -2,7 +2,8 @@
 
 Started by the tests with ``torchrun --nproc-per-node 2``. Usage: ``profile_runner.py OUT_DIR``; each rank writes
 ``OUT_DIR/collectives.rank{R}.json`` (the fits ``benchmark_collectives`` returned on that rank) and
-``OUT_DIR/profile.rank{R}.json`` (the profile of ``TinyGPT`` that ``profile`` returned on that rank).
+``OUT_DIR/profile.rank{R}.json`` (the profile of ``TinyGPT`` that ``profile`` returned on that rank), and
+``OUT_DIR/error.rank{R}.json`` (what ``profile`` raised on that rank when rank 1's batch does not run).
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ def main() -> None:
     batch = (batch[0], batch[1].roll(rank, dims=0))
     result = profile(TinyGPT(), batch, collectives=fits)
     result.save(out / f"profile.rank{rank}.json")
+    # A batch that does not run through the model on rank 1 only: every rank raises (none waits for the other).
+    tokens = batch[1] + (1000 if rank == 1 else 0)
+    started = time.perf_counter()
+    try:
+        profile(TinyGPT(), (batch[0], tokens))
+        raised = None
+    except Exception as error:
+        raised = {"type": type(error).__name__, "message": str(error), "seconds": time.perf_counter() - started}
+    (out / f"error.rank{rank}.json").write_text(json.dumps(raised))
     dist.barrier()
     dist.destroy_process_group()
 
