@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,11 @@ class WindowTracker(LiveStorageTracker):
 
     window = 0
 
+    def start(self, *roots: Any) -> WindowTracker:
+        super().start(*roots)
+        self.window = self.live
+        return self
+
     def _add(self, delta: int) -> None:
         super()._add(delta)
         self.window = max(self.window, self.live)
@@ -91,7 +97,7 @@ class Windows:
         for i, block in enumerate(blocks):
             # Prepended: before FSDP2's pre-forward (its gather is the block's); appended after FSDP2's post-forward.
             block.register_forward_pre_hook(lambda *_, i=i: self.enter(("forward", i)), prepend=True)
-            block.register_forward_hook(lambda *_, i=i: self.enter(None))
+            block.register_forward_hook(lambda *_: self.enter(None))
             block.register_full_backward_pre_hook(lambda *_, i=i: self.enter(("backward", i)), prepend=True)
         before.register_full_backward_pre_hook(lambda *_: self.enter(None))
 
@@ -103,11 +109,10 @@ class Windows:
             self.largest[self.current] = max(self.largest.get(self.current, 0), largest)
         self.current = window
 
-    def measure(self, run_step: Any, *roots: Any) -> tuple[int, dict[tuple[str, int], int]]:
+    def measure(self, run_step: Callable[[], None], *roots: Any) -> tuple[int, dict[tuple[str, int], int]]:
         """Run one step under a new tracker of ``roots``; its peak and its figures per block and pass."""
         self.largest = {}
         self.tracker = WindowTracker().start(*roots)
-        self.tracker.window = self.tracker.live
         try:
             run_step()
         finally:
