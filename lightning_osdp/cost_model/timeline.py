@@ -36,6 +36,16 @@ units nested in it are gathered by their own pre-forward hooks there, and the ba
 module by module as without recomputation; the kept inputs go when its backward ends. The step pays the subtree's
 forward seconds once more.
 
+A nested ``full_shard`` unit may have been prefetched before the recomputation gathers it: FSDP2's backward prefetch
+targets the unit whose forward ended just before the current one's, and a nested unit's forward ends before its
+enclosing unit's (or, when it is the last unit of its segment, before the later segment's first). Its pre-forward in
+the recomputation then finds the all-gather issued (``FSDPParamGroup.unshard`` returns at once) and only copies out:
+one all-gather output, not a second. And a unit the recomputation gathered stays unsharded until its post-backward
+(a post-forward in backward does not reshard), so a later prefetch of it is FSDP2's no-op ``unshard`` and allocates
+nothing. Counting that output twice would leave it in the level for the rest of the step: every ``shard_grad_op``
+block that recomputes with its MLP ``full_shard`` would add one MLP's all-gather output to the backward peak
+(``tests/test_segment_memory.py`` measures such blocks).
+
 [Note: the loss in the timeline]
 The profile measures the loss region (``lightning_osdp/profiling/loss_region.py``) as live bytes relative to three
 instants, and each falls at one place of the walk (``LossMemory``'s fields: ``o`` the model's output, ``f`` the
@@ -182,7 +192,8 @@ class SegmentSimulator:
       the unsharded parameters, free the output kept for the previous unit);
     - :meth:`post_forward`: ``reshard`` (``full_shard`` only; on CPU the all-gather output is freed too);
     - :meth:`pre_backward`: ``unshard`` unless prefetched, then ``_backward_prefetch`` of the unit that finished
-      its forward before this one;
+      its forward before this one (nothing for one still unsharded: ``shard_grad_op``, or gathered by a
+      recomputation), with the output's gradient alive;
     - :meth:`post_backward`: ``reshard``, then the reduce-scatter (its input kept until the next reduction);
     - :meth:`final_callback`: the post-backwards FSDP2 runs in the root's final callback
       (``FSDPState._root_post_backward_final_callback``) for units whose input needs no gradient (see
@@ -270,9 +281,10 @@ class SegmentSimulator:
             self.level -= self.all_gather_output
             self.all_gather_output, self.all_gather_owner = ZERO, None
 
-    def pre_backward(self, i: int) -> None:
+    def pre_backward(self, i: int, output_gradient: MemoryParts = ZERO) -> None:
         """``unshard`` of unit ``i`` (when prefetched, its all-gather was issued already: only the copy-out is
-        left), then ``_backward_prefetch``."""
+        left), then ``_backward_prefetch``. The hook fires on the gradient of the unit's output
+        (``output_gradient``), which is alive through both."""
         u = self.bytes[i]
         if not u.sharded:
             return
@@ -284,19 +296,22 @@ class SegmentSimulator:
                 self.level += _gathered(u.gathered)
             else:
                 self.level += _comm(u.flat) + _gathered(u.gathered)
-            self._backward_instant(self.level)
+            self._backward_instant(self.level + output_gradient)
             self.level -= _comm(u.flat)
         # Implicit backward prefetch: the unit that finished its forward just before this one.
         k = self.post_forward_order.index(i)
         if k == 0:
             self.earlier_prefetch_alive = True  # the earlier segment's last unit (the timeline's cross term)
-            self._backward_instant(self.level)
+            self._backward_instant(self.level + output_gradient)
             return
         target = self.post_forward_order[k - 1]
-        if self.bytes[target].reshards_after_forward and target not in self.prefetched:
+        # A shard_grad_op target, or one its enclosing module's recomputation gathered, is unsharded: FSDP2's
+        # ``unshard`` of it returns at once.
+        unsharded = not self.bytes[target].reshards_after_forward or target in self.gathered_in_recompute
+        if not unsharded and target not in self.prefetched:
             self.prefetched.add(target)
             self.level += _comm(self.bytes[target].flat)
-            self._backward_instant(self.level)
+            self._backward_instant(self.level + output_gradient)
 
     def post_backward(self, i: int) -> None:
         """``reshard`` of unit ``i``, then its reduce-scatter (freeing the previous reduction's input)."""
@@ -364,15 +379,22 @@ class SegmentSimulator:
         """The forward ``torch.utils.checkpoint`` runs again in backward when ``node``'s first saved tensor is needed
         (see [Note: recomputation]): its subtree saves again what it saved (what it kept of its inputs is alive
         already), and the units nested in it are gathered by their own pre-forward hooks, which fire in the
-        recomputation (their pre-backward then finds them gathered)."""
+        recomputation (their pre-backward then finds them gathered). A nested unit already prefetched (by its
+        enclosing unit's pre-backward, or by the later segment's) has its all-gather output counted: its pre-forward
+        only copies out."""
+        output_gradient = _acts(node.out)  # what the recomputation was triggered for
         for i in self._nested_full_shard_units(node):
             u = self.bytes[i]
-            self.level += _comm(u.flat) + _gathered(u.gathered)
-            self._backward_instant(self.level)
+            if i in self.prefetched:
+                self.prefetched.discard(i)
+                self.level += _gathered(u.gathered)
+            else:
+                self.level += _comm(u.flat) + _gathered(u.gathered)
+            self._backward_instant(self.level + output_gradient)
             self.level -= _comm(u.flat)
             self.gathered_in_recompute.add(i)
         self.level += _acts(node.saved() - node.kept_saved)
-        self._backward_instant(self.level)
+        self._backward_instant(self.level + output_gradient)
 
     def _nested_full_shard_units(self, node: Node) -> list[int]:
         found: list[int] = []
@@ -407,7 +429,7 @@ class SegmentSimulator:
         ``ddp``: the parameters are DDP's, whose hook copies each gradient into its bucket and drops it."""
         if node.unit is not None:
             ddp = not self.bytes[node.unit].sharded
-            self.pre_backward(node.unit)
+            self.pre_backward(node.unit, _acts(node.out))
         if node.recompute:
             self.recompute(node)
         for child in reversed(node.children):
