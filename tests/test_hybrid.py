@@ -120,18 +120,22 @@ def test_a_one_node_profile_cannot_price_a_group_across_nodes() -> None:
         predict(profile, _uniform("full_shard"), Topology(2, 2))
 
 
-# Predictions of the code before topologies existed (commit 1f69216), for a one-node world: (peak bytes, step seconds,
+# For a one-node world: (peak bytes, step seconds,
 # communication seconds) of `gpt_profile(depth=4, width=64, world_size=ws)` under three plans.
+# Peak, step and communication seconds of three plans on one node, as the cost model predicted them without
+# topologies. The step times are those of the code before topologies existed, unchanged. The peaks are as of the
+# loss-region and DDP bucket-rebuild changes of the memory model (which moved them for every world size, topology or
+# not): what is pinned is that a flat topology adds nothing to them.
 OLD_PREDICTIONS = {
-    (1, "ddp"): (16157184, 0.029713356800000004, 0.0),
+    (1, "ddp"): (15960064, 0.029713356800000004, 0.0),
     (1, "fsdp"): (16157184, 0.04501250880000001, 0.0),
     (1, "mixed"): (16093440, 0.043318946133333334, 0.0),
-    (2, "ddp"): (16157184, 0.033127502425000004, 0.0034141456250000005),
+    (2, "ddp"): (15960064, 0.033127502425000004, 0.0034141456250000005),
     (2, "fsdp"): (14163456, 0.09609044373333334, 0.052506773333333326),
-    (2, "mixed"): (14990976, 0.10190478889583333, 0.059423338229166664),
-    (8, "ddp"): (16157184, 0.033127502425000004, 0.0034141456250000005),
-    (8, "fsdp"): (12940608, 0.09501881493333332, 0.052506773333333326),
-    (8, "mixed"): (14316192, 0.10127666729583333, 0.059423338229166664),
+    (2, "mixed"): (14893824, 0.10190478889583333, 0.059423338229166664),
+    (8, "ddp"): (15960064, 0.033127502425000004, 0.0034141456250000005),
+    (8, "fsdp"): (12743488, 0.09501881493333332, 0.052506773333333326),
+    (8, "mixed"): (14119072, 0.10127666729583333, 0.059423338229166664),
 }
 OLD_PLANS = {
     "ddp": _uniform("no_shard"),
@@ -206,7 +210,9 @@ def test_one_node_plans_never_name_hybrid_shard() -> None:
 def test_on_two_nodes_with_a_slow_network_the_solver_shards_within_the_nodes_and_predicts_its_plan() -> None:
     profile = two_level_profile(nodes=2, per_node=4, across=0.05, depth=4, width=64)
     topo = Topology(2, 4)
-    plan = solve(profile, "14MiB", topo, max_split=1, gap=1e-9)
+    # Without recomputation, which would fit this budget with every block replicated: the choice under test is where
+    # to shard.
+    plan = solve(profile, "14MiB", topo, max_split=1, gap=1e-9, recompute=False)
     assert plan.info["topology"] == {"nodes": 2, "ranks_per_node": 4}
     assert plan.report is not None and plan.report.world_size == 8
     modes = {plan.decisions[b].mode for b in BLOCKS}
@@ -215,7 +221,9 @@ def test_on_two_nodes_with_a_slow_network_the_solver_shards_within_the_nodes_and
     assert plan.report.predicted_peak_bytes == prediction.peak_bytes <= 14 * 2**20
     assert plan.report.predicted_step_seconds == pytest.approx(prediction.step_seconds, rel=1e-12)
     # The same budget on one node of 8 ranks with these figures within the node: no hybrid_shard.
-    flat = solve(dataclasses.replace(profile, nodes=1, inter_node_collectives={}, world_size=8), "14MiB", 8)
+    flat = solve(
+        dataclasses.replace(profile, nodes=1, inter_node_collectives={}, world_size=8), "14MiB", 8, recompute=False
+    )
     assert all(d.mode != "hybrid_shard" for d in flat.decisions.values())
 
 

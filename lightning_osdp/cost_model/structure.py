@@ -128,6 +128,16 @@ class ModelInfo:
         trainable_pos = [self.pos[n] for n, mp in profile.modules.items() if mp.trainable_param_bytes > 0]
         self.first_trainable_pos = min(trainable_pos, default=len(self.order))
         self.tied = [list(group) for group in profile.tied]
+        #: per module, the gradient bytes its backward sums into a tied parameter's existing gradient (see
+        #: ``Node.grad_sum``): the holder that runs first in forward, and so last in backward
+        self.grad_sum: dict[str, int] = {}
+        for group in self.tied:
+            holders = [h for h in group if h in self.modules]
+            if len(holders) < 2:
+                continue
+            summing = min(holders, key=lambda h: self.pos[h])
+            tied_bytes = max(self.modules[h].param_bytes for h in holders)  # counted at its first holder
+            self.grad_sum[summing] = self.grad_sum.get(summing, 0) + 2 * tied_bytes
 
     def subtree(self, name: str) -> list[str]:
         """``name`` and its descendants, in forward order."""
@@ -179,6 +189,11 @@ class Node:
         recompute: its decision recomputes it (activation checkpointing).
         kept: under recomputation, the bytes of its inputs the checkpoint keeps (``ModuleProfile.input_bytes``).
         kept_saved: the part of ``kept`` its own subtree saves again when it recomputes (``input_saved_bytes``).
+        recompute_forward: under recomputation, the largest live bytes its forward adds, output included
+            (``ModuleProfile.recompute_forward_bytes``, measured; ``None``: not measured).
+        grad_sum: transient bytes of its backward beyond its gradients: the holder of a tied parameter whose backward
+            runs last adds its gradient to the one the other holders produced, out of place (the existing sum, the
+            new gradient and their sum alive at once: twice the parameter beyond the one gradient counted).
         children: the modules it calls, in forward order.
     """
 
@@ -195,6 +210,8 @@ class Node:
     recompute: bool = False
     kept: int = 0
     kept_saved: int = 0
+    recompute_forward: int | None = None
+    grad_sum: int = 0
 
     def saved(self) -> int:
         """Bytes a forward of this subtree saves for backward (a recomputed descendant keeps only its inputs)."""
@@ -466,6 +483,7 @@ class _SegmentBuilder:
             mp.bwd_seconds,
         )
         node.children = [self.node(c) for c in info.children[name]]
+        node.grad_sum = info.grad_sum.get(name, 0)
         return self._with_recompute(node)
 
     def _with_recompute(self, node: Node) -> Node:
@@ -477,6 +495,7 @@ class _SegmentBuilder:
         kept = mp.input_bytes if mp.input_bytes is not None else self.info.input_bytes.get(node.name, 0)
         saved = mp.input_saved_bytes if mp.input_saved_bytes is not None else kept
         node.recompute, node.kept, node.kept_saved = True, kept, min(saved, kept)
+        node.recompute_forward = mp.recompute_forward_bytes
         return node
 
     def _split_node(self, name: str) -> Node:
@@ -523,6 +542,7 @@ def _free_node(info: ModelInfo, name: str) -> Node:
         None,
         mp.fwd_seconds,
         mp.bwd_seconds,
+        grad_sum=info.grad_sum.get(name, 0),
     )
 
 

@@ -363,7 +363,8 @@ class SegmentSimulator:
         the recomputed module's inputs are (see [Note: recomputation])."""
         if node.unit is not None:
             self.pre_forward(node.unit)
-        if node.recompute and saving:
+        checkpointed = node.recompute and saving
+        if checkpointed:
             self.level += _acts(node.kept)
             saving = False
         if saving:
@@ -372,6 +373,10 @@ class SegmentSimulator:
             self.forward(child, saving)
         # Unsaved, what the module would save still lives while its own code runs.
         self._forward_instant(self.level + _acts(node.out + (0 if saving else node.act)))
+        if checkpointed and node.recompute_forward is not None:
+            # What the checkpointed forward holds at once, measured (its own code's tensors between its children's
+            # calls are beyond the children's figures).
+            self._forward_instant(self.level + _acts(node.recompute_forward))
         if node.unit is not None:
             self.post_forward(node.unit)
 
@@ -436,7 +441,7 @@ class SegmentSimulator:
             self.backward(child, ddp)
         self.level += _grads(node.grad)
         transient = node.out + (node.inp if not node.children else 0)
-        self._backward_instant(self.level + _acts(transient))
+        self._backward_instant(self.level + _acts(transient) + _grads(node.grad_sum))
         if ddp:
             self.level -= _grads(node.grad)
         self.level -= _acts(node.act)
@@ -528,8 +533,9 @@ def simulate_free(run: FreeRun) -> FreeCosts:
     bwd_peak, bwd_at = ZERO, run.nodes[-1].name if run.nodes else ""
     cur = ZERO
     for node in reversed(run.nodes):
-        if (cur + _acts(node.out + node.inp)).total > bwd_peak.total:
-            bwd_peak, bwd_at = cur + _acts(node.out + node.inp), node.name
+        transient = _acts(node.out + node.inp) + _grads(node.grad_sum)
+        if (cur + transient).total > bwd_peak.total:
+            bwd_peak, bwd_at = cur + transient, node.name
         cur -= _acts(node.act)
     names = tuple(node.name for node in run.nodes)
     return FreeCosts(fwd_peak, fwd_net, bwd_peak, cur, _label(fwd_at), _label(bwd_at), names)

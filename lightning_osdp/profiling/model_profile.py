@@ -73,6 +73,10 @@ class ModuleProfile:
             measured, a profile from before this field).
         input_saved_bytes: the part of ``input_bytes`` first saved for backward inside this module's subtree (so
             counted in its and its descendants' ``activation_bytes``); ``None`` likewise.
+        recompute_forward_bytes: for a block (a parameter-owning child of a ``ModuleList``/``Sequential``), the
+            largest live bytes its forward adds, output included, when it runs under activation checkpointing (it
+            saves nothing; what its own code holds between its children's calls is alive meanwhile); measured by
+            running the step's forward once more with every block checkpointed. ``None``: not measured.
     """
 
     name: str
@@ -94,6 +98,7 @@ class ModuleProfile:
     optim_scalar_bytes: int = 0
     input_bytes: int | None = None
     input_saved_bytes: int | None = None
+    recompute_forward_bytes: int | None = None
 
 
 @dataclass

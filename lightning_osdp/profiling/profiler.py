@@ -458,6 +458,46 @@ def _traced(session: _Session, request: _Request) -> StepRecord:
         ) from error
 
 
+def _recompute_forward_bytes(session: _Session) -> dict[str, int]:
+    """Per block of the replica, the live bytes its forward adds when it runs under activation checkpointing (see
+    ``ModelProfile.recompute_forward_bytes``): the step's forward once more, every block checkpointed as the executor
+    does it, each block's window between its forward hooks read off the memory meter."""
+    from lightning_osdp.apply.recompute import recompute_modules
+    from lightning_osdp.plan import default_units
+
+    work = session.work
+    blocks = default_units(work)
+    if not blocks:
+        return {}
+    recompute_modules(work, blocks)
+    meter = memory_meter(session.device, fake=session.estimated)
+    started: dict[str, int] = {}
+    added: dict[str, int] = {}
+    handles = []
+    for name in blocks:
+        module = work.get_submodule(name)
+
+        def pre(*_: Any, name: str = name) -> None:
+            started[name] = meter.mark()[1]
+
+        def post(*_: Any, name: str = name) -> None:
+            window = meter.mark()[0]
+            added[name] = max(added.get(name, 0), window - started[name])
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    meter.start(work, *session.optimizers)
+    try:
+        loss = session.runner.forward_loss()
+        del loss
+    finally:
+        meter.stop()
+        for handle in handles:
+            handle.remove()
+        session.runner.output = None
+    return added
+
+
 def _profile_locally(request: _Request) -> ModelProfile:
     """This rank's profile of the model, without collectives (see [Note: measured and estimated])."""
     target, estimated, name = request.target, request.estimated, request.name
@@ -489,6 +529,9 @@ def _profile_locally(request: _Request) -> ModelProfile:
         else:
             timing = _measured_timing(session, record, request.repeats, info)
         modules = _module_profiles(work, record, session, timing.modules)
+        # Last: it checkpoints the replica's blocks for good.
+        for block, added in _recompute_forward_bytes(session).items():
+            modules[block].recompute_forward_bytes = added
         _, tied = account_parameters(work)
         info["optimizer_state"] = session.state.source if optimizers else "none"
         if record.unsized_tensors:
