@@ -35,7 +35,7 @@ from lightning_osdp.cli.estimate import estimated_profile
 from lightning_osdp.cli.hardware import get_hardware
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
-from lightning_osdp.plan import Plan
+from lightning_osdp.plan import Decision, Plan
 
 from llama import LLAMA3_1_8B, LlamaModule
 
@@ -107,9 +107,13 @@ RUNS = (
 )
 
 
-def fsdp_prediction(run: PublishedRun) -> tuple[Prediction, Plan, float]:
-    """The dry run's FSDP row: the model on the meta device, profiled on fake tensors with the preset's figures,
-    every block and the root ``full_shard``; the seconds the trace took."""
+def fsdp_predictions(run: PublishedRun) -> tuple[list[tuple[str, Prediction, Plan]], float]:
+    """The dry run's FSDP rows: the model on the meta device, profiled on fake tensors with the preset's figures,
+    every block and the root ``full_shard``; the seconds the trace took.
+
+    torchtitan's selective checkpointing (per operator, or every second block) is not a block-level choice: a run
+    that uses it is predicted with every block and with every second block recomputed, the two ends it lies between
+    in memory (every block keeps only its input; every second block keeps half the activations)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     with torch.device("meta"):
@@ -127,20 +131,33 @@ def fsdp_prediction(run: PublishedRun) -> tuple[Prediction, Plan, float]:
         mixed_precision=BF16_POLICY,
     )
     traced = time.perf_counter() - start
-    plan = Plan.uniform(module, "full_shard")
-    return predict(profile, plan, run.world_size), plan, traced
+    fsdp = Plan.uniform(module, "full_shard")
+    blocks = [name for name in fsdp.decisions if name]
+    variants = [("no recomputation", fsdp)]
+    if run.activation_checkpointing != "none":
+        variants = [
+            (
+                f"every {label} recomputed",
+                Plan({**fsdp.decisions, **{b: Decision("full_shard", recompute=True) for b in blocks[::every]}}),
+            )
+            for label, every in (("block", 1), ("2nd block", 2))
+        ]
+    return [(label, predict(profile, plan, run.world_size), plan) for label, plan in variants], traced
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON")
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    variants: list[tuple[PublishedRun, str, Prediction, Plan, float]] = []
     for run in RUNS:
-        prediction, plan, traced = fsdp_prediction(run)
+        predictions, traced = fsdp_predictions(run)
+        variants.extend((run, label, prediction, plan, traced) for label, prediction, plan in predictions)
+    for run, label, prediction, plan, traced in variants:
         tokens = run.batch_size * int(run.shape["context_length"])
         rate = tokens / prediction.step_seconds
-        parts = {k: round(v * 1e3, 1) for k, v in prediction.step_parts.items()}
+        step_parts = {k: round(v * 1e3, 1) for k, v in prediction.step_parts.items()}
         rows.append(
             {
                 "run": run.name,
@@ -148,6 +165,7 @@ def main() -> None:
                 "world_size": run.world_size,
                 "batch": f"{run.batch_size} x {run.shape['context_length']}",
                 "activation_checkpointing": run.activation_checkpointing,
+                "modelled_as": label,
                 "plan": plan.summary(),
                 "published_tokens_per_second": run.tokens_per_second,
                 "predicted_tokens_per_second": round(rate, 1),
@@ -156,7 +174,7 @@ def main() -> None:
                 "predicted_memory_gib": round(prediction.peak_bytes / GIB, 2),
                 "memory_ratio": round(prediction.peak_bytes / GIB / run.memory_gib, 3) if run.memory_gib else None,
                 "step_ms": round(prediction.step_seconds * 1e3, 1),
-                "step_parts_ms": parts,
+                "step_parts_ms": step_parts,
                 "peak_at": prediction.peak_at,
                 "peak_parts": {k: format_bytes(v) for k, v in prediction.peak.as_dict().items()},
                 "trace_seconds": round(traced, 1),
@@ -164,8 +182,8 @@ def main() -> None:
             }
         )
     header = (
-        f"{'run':30} {'AC':>12} {'tok/s pub':>10} {'tok/s dry':>10} {'ratio':>6} {'GiB pub':>8} {'GiB dry':>8} "
-        f"{'ratio':>6}"
+        f"{'run':30} {'AC':>12} {'modelled as':>27} {'tok/s pub':>10} {'tok/s dry':>10} {'ratio':>6} {'GiB pub':>8} "
+        f"{'GiB dry':>8} {'ratio':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -173,13 +191,17 @@ def main() -> None:
         pub_mem = f"{r['published_memory_gib']:.1f}" if r["published_memory_gib"] else "-"
         mem_ratio = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] else "-"
         print(
-            f"{r['run']:30} {r['activation_checkpointing']:>12} {r['published_tokens_per_second']:>10,.0f} "
+            f"{r['run']:30} {r['activation_checkpointing']:>12} {r['modelled_as']:>27} "
+            f"{r['published_tokens_per_second']:>10,.0f} "
             f"{r['predicted_tokens_per_second']:>10,.0f} {r['throughput_ratio']:>6.2f} {pub_mem:>8} "
             f"{r['predicted_memory_gib']:>8.1f} {mem_ratio:>6}"
         )
     for r in rows:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in r["step_parts_ms"].items())
-        print(f"\n{r['run']}: step {r['step_ms']:,.1f} ms ({parts}); peak at {r['peak_at']!r}: {r['peak_parts']}")
+        print(
+            f"\n{r['run']} ({r['modelled_as']}): step {r['step_ms']:,.1f} ms ({parts}); peak at {r['peak_at']!r}: "
+            f"{r['peak_parts']}"
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 
