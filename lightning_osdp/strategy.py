@@ -43,6 +43,7 @@ from lightning_osdp._compat import (
     sync_ddp_if_available,
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
+from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
@@ -480,6 +481,12 @@ class OSDPStrategy(ParallelStrategy):
             # Optimizers are built after sharding, so they hold the DTensor shards.
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                if step_mixed_groups_per_tensor(optimizer):
+                    rank_zero_info(
+                        "OSDP: parameter groups mixing replicated and sharded parameters step tensor by tensor "
+                        "(foreach=False): torch's foreach kernels refuse plain tensors and DTensors in one list"
+                    )
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)

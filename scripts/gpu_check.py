@@ -40,9 +40,11 @@ The checks (see ``docs/gpu.md`` for what each figure means and the tolerances):
 ``torch.amp.GradScaler``/``ShardedGradScaler`` always unscale with a foreach kernel. A mixed plan puts plain tensors
 (``no_shard``, under DDP) and DTensors (sharded units) in one parameter group, and DTensor refuses foreach ops over
 such a list ("got mixed torch.Tensor and DTensor"). On CPU the default is the per-tensor path, so the CPU suite never
-meets it. The checks run what a user runs first (the device's default); when that fails with this error they record
-it as a failure and run again with ``foreach=False`` (:func:`run_with_foreach_fallback`), so that one defect does not
-hide every later figure. On the CPU dry run the first attempt uses ``foreach=True``, which is what CUDA's default is.
+met it; the strategy now steps such groups per tensor (``lightning_osdp/apply/optimizer.py``) and 16-mixed unscales
+with :class:`~lightning_osdp.precision.OSDPGradScaler`. The checks run what a user runs first (the device's default),
+so they test those fixes on the device; should the error come back they record it as a failure and run again with
+``foreach=False`` (:func:`run_with_foreach_fallback`), so that one defect does not hide every later figure. On the
+CPU dry run the first attempt uses ``foreach=True``, which is what CUDA's default is.
 """
 
 from __future__ import annotations
@@ -1144,9 +1146,7 @@ def check_gloo2(ctx: Context) -> Outcome:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(key, None)
+    env = {**fresh_world_env(), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     agents = [
         subprocess.Popen(
             [
@@ -1272,9 +1272,19 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+#: What torch.distributed and Lightning read to join an existing world.
+WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def fresh_world_env() -> dict[str, str]:
+    """This process's environment without the variables of a distributed world it may be in: each check starts a
+    world of its own (a ``MASTER_PORT`` inherited from a caller that still listens on it would collide)."""
+    return {k: v for k, v in os.environ.items() if k not in WORLD_VARIABLES}
+
+
 def _run_child(name: str, ctx: Context, part: Path, timeout: float) -> str | None:
     """Check ``name`` in a child process of its own session; ``None``, or why it has no result."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(fresh_world_env(), PYTHONUNBUFFERED="1")
     if CHECKS[name].deterministic:
         env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     args = [sys.executable, str(Path(__file__).resolve()), "--check", name, "--part", str(part)]

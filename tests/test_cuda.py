@@ -3,7 +3,8 @@ machine) as tests, and what of them the CPU can test honestly.
 
 On the CPU: the comparison logic, the parity check itself in 32-true (the same code the GPU runs, on the CPU), the
 runner's time budget and its "no CUDA device" answer, and two defects of the CUDA path that the CPU reproduces
-(strict xfails: they fail loudly once fixed, so that the marker goes). With a GPU: every check, ``pytest -m cuda``.
+(torch's foreach kernels refuse a list mixing plain tensors and DTensors: the optimizer step and the 16-mixed
+unscale), each shown failing without OSDP's fix and passing with it. With a GPU: every check, ``pytest -m cuda``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def test_run_comparison_reports_the_largest_relative_gaps() -> None:
 @pytest.mark.slow
 def test_parity_check_in_32_true_on_the_cpu(tmp_path: Path) -> None:
     """The GPU's parity check, run on the CPU: the single-device reference, OSDP under three plans, the comparison.
-    The only failures allowed are the default optimizer's on mixed plans (foreach=True on the CPU stands for CUDA's
-    default, see test_a_mixed_plan_steps_with_the_foreach_optimizer)."""
+    The first attempt uses foreach=True, CUDA's default, which the strategy turns off for mixed parameter groups
+    (see test_a_mixed_plan_steps_with_the_foreach_optimizer): no failure, and no second attempt."""
     outcome = gpu_check.check_parity(gpu_check.Context("cpu", tmp_path), precisions=["32-true"])
     runs = outcome.figures["runs"]
     assert set(runs) == {"32-true/mixed", "32-true/sharded", "32-true/split"}
@@ -61,9 +62,8 @@ def test_parity_check_in_32_true_on_the_cpu(tmp_path: Path) -> None:
     assert runs["32-true/sharded"]["foreach"] is True  # all-sharded: the foreach path works
     # A split Linear changes the matmuls' shapes, so their rounding: within the tolerance, not bit for bit.
     assert runs["32-true/split"]["param_rel"] <= gpu_check.PARITY_RTOL["32-true"]
-    assert all("fails with the device's default optimizer (foreach=True)" in f for f in outcome.failures), (
-        outcome.failures
-    )
+    assert outcome.failures == []
+    assert runs["32-true/mixed"]["foreach"] is True
 
 
 def test_the_runner_bounds_every_check_by_the_budget_and_records_it(tmp_path: Path) -> None:
@@ -104,15 +104,21 @@ def _loss(call: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(call(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="CUDA path defect: AdamW's foreach path (its default when every parameter is on CUDA) gets plain "
-    "(no_shard) tensors and DTensors in one list; DTensor refuses ('got mixed torch.Tensor and DTensor')",
-)
 def test_a_mixed_plan_steps_with_the_foreach_optimizer(world1: object) -> None:
+    """AdamW's foreach path (its default when every parameter is on CUDA) gets plain (no_shard) tensors and DTensors
+    in one list, which DTensor refuses; the strategy turns foreach off for such groups
+    (``lightning_osdp/apply/optimizer.py``). Without it the step raises; with it, it matches the unsharded model."""
+    from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
+
+    broken, _, broken_root = _mixed_tiny_gpt(world1)
+    unfixed = torch.optim.AdamW(broken.parameters(), lr=1e-2, foreach=True)
+    _loss(broken_root).backward()
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        unfixed.step()
     model, reference, root = _mixed_tiny_gpt(world1)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (model, reference)]
+    assert step_mixed_groups_per_tensor(optimizers[0]) == [0]
+    assert step_mixed_groups_per_tensor(optimizers[1]) == []  # all plain: foreach stays
     for optimizer, call in zip(optimizers, (root, reference), strict=True):
         _loss(call).backward()
         optimizer.step()
@@ -123,27 +129,36 @@ def test_a_mixed_plan_steps_with_the_foreach_optimizer(world1: object) -> None:
         torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="CUDA path defect: 16-mixed's ShardedGradScaler unscales with one foreach kernel over plain (no_shard) "
-    "and DTensor gradients; DTensor refuses ('got mixed torch.Tensor and DTensor')",
-)
 def test_the_sharded_grad_scaler_unscales_a_mixed_plan(world1: object) -> None:
+    """16-mixed's ``ShardedGradScaler`` unscales with one foreach kernel over plain (no_shard) and DTensor
+    gradients, which DTensor refuses; ``OSDPGradScaler`` (what the strategy's 16-mixed plugin uses) unscales each
+    kind apart, and the unscaled gradients are the unsharded model's."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.distributed.tensor import DTensor
 
+    from lightning_osdp.precision import OSDPGradScaler
+
+    broken, _, broken_root = _mixed_tiny_gpt(world1)
+    raw = ShardedGradScaler(device="cpu", init_scale=1024.0)
+    raw.scale(_loss(broken_root)).backward()
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        raw.unscale_(torch.optim.SGD(broken.parameters(), lr=0.1))
+
     model, reference, root = _mixed_tiny_gpt(world1)
-    scaler = ShardedGradScaler(device="cpu", init_scale=1024.0)
+    scaler = OSDPGradScaler(device="cpu", init_scale=1024.0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler.scale(_loss(root)).backward()
     _loss(reference).backward()
     scaler.unscale_(optimizer)
+    checked = 0
     for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
         if want.grad is None:
             continue
         grad = got.grad.full_tensor() if isinstance(got.grad, DTensor) else got.grad
         torch.testing.assert_close(grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+        checked += 1
+    assert checked > 0
+    assert {isinstance(p, DTensor) for p in model.parameters()} == {True, False}  # the plan is mixed
 
 
 # ============================================================================================== with a GPU
