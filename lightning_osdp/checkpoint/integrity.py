@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from lightning_osdp._compat import dcp_writer_file_system
 from lightning_osdp.checkpoint import _dist
 from lightning_osdp.checkpoint.errors import CorruptCheckpointError
 
@@ -123,17 +124,16 @@ def checksumming_writer(path: Path) -> FileSystemWriter:
     """DCP's ``FileSystemWriter`` for ``path`` (files synced), recording each file's checksum as it is written
     (:func:`written_checksums`)."""
     writer = FileSystemWriter(path, sync_files=True)
-    # NOTE: DCP's FileSystemWriter writes every file through its `fs` attribute (`fs.create_stream`, `fs.rename`);
-    # that attribute is not a documented extension point. If a torch release stops using it, nothing is recorded
-    # here and the save computes the checksums by reading the files back (`write_manifest`): slower, as safe.
-    # tests/test_checkpoint_safety.py checks that every file DCP writes is checksummed while it is written.
-    writer.fs = _ChecksummingFileSystem()
+    # If a torch release stops writing through this file system, the save computes the checksums by reading the
+    # files back (`write_manifest`). tests/test_checkpoint_safety.py checks that every file DCP writes is
+    # checksummed while it is written.
+    dcp_writer_file_system(writer, replace_with=_ChecksummingFileSystem())
     return writer
 
 
 def written_checksums(writer: FileSystemWriter) -> dict[str, str]:
     """File name -> checksum of every file this process wrote through ``writer``."""
-    fs = writer.fs
+    fs = dcp_writer_file_system(writer)
     return dict(fs.checksums) if isinstance(fs, _ChecksummingFileSystem) else {}
 
 

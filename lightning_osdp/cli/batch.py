@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
+from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.model import import_object
 
@@ -79,7 +79,7 @@ def _resized(value: Any, batch_size: int) -> Any:
 
 
 def _leading(value: Any) -> int | None:
-    for t in torch.utils._pytree.tree_leaves(value):
+    for t in tree_leaves(value):
         if isinstance(t, Tensor) and t.dim() > 0:
             return int(t.shape[0])
     return None
