@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-__all__ = ["broadcast", "from_rank_zero", "is_distributed", "rank", "world_size"]
+__all__ = ["all_gather", "broadcast", "from_rank_zero", "is_distributed", "rank", "world_size"]
 
 T = TypeVar("T")
 
@@ -44,6 +44,15 @@ def broadcast(obj: T, src: int = 0, group: Any = None) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
     return box[0]
+
+
+def all_gather(obj: T, group: Any = None) -> list[T]:
+    """Every rank's ``obj``, in rank order of ``group``, on every rank of ``group``."""
+    if not is_distributed() or world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def from_rank_zero(fn: Callable[[], T], *, what: str, everywhere: bool = False, group: Any = None) -> T:

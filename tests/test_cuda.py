@@ -119,9 +119,15 @@ def test_a_mixed_plan_steps_with_the_foreach_optimizer(world1: object) -> None:
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (model, reference)]
     assert step_mixed_groups_per_tensor(optimizers[0]) == [0]
     assert step_mixed_groups_per_tensor(optimizers[1]) == []  # all plain: foreach stays
-    for optimizer, call in zip(optimizers, (root, reference), strict=True):
-        _loss(call).backward()
-        optimizer.step()
+    for _ in range(2):
+        for optimizer, call in zip(optimizers, (root, reference), strict=True):
+            optimizer.zero_grad()
+            _loss(call).backward()
+            optimizer.step()
+        # The group's own setting outside the step: what a checkpoint records, as DDP's optimizer does.
+        assert optimizers[0].state_dict()["param_groups"][0]["foreach"] is True
+        # A loaded state (which replaces every group's hyperparameters) does not bring the foreach step back.
+        optimizers[0].load_state_dict(optimizers[0].state_dict())
     from torch.distributed.tensor import DTensor
 
     for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):

@@ -5,11 +5,16 @@ torch's optimizers step a parameter group with one ``torch._foreach_*`` kernel p
 its default when every parameter is on CUDA. A group holding plain tensors and DTensors is one list to those
 kernels, which DTensor refuses ("got mixed torch.Tensor and DTensor"): a mixed plan's first optimizer step fails.
 Splitting the group would change the optimizer's state-dict layout (its group indices), which checkpoints and
-Lightning's schedulers rely on, so such a group steps with the per-tensor loop instead (``foreach=False``), as a
-user who asked for ``foreach`` explicitly is told.
+Lightning's schedulers rely on, so such a group steps with the per-tensor loop instead: ``foreach`` is set to
+``False`` for the step only (a step pre-hook) and the group's own value is put back after it (a post-hook). The
+value a checkpoint records is then the user's, equal to what DDP records, and one loaded from a checkpoint (which
+replaces every group's hyperparameters) cannot bring ``foreach`` back. A user who asked for ``foreach=True``
+explicitly is told.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -18,14 +23,29 @@ __all__ = ["step_mixed_groups_per_tensor"]
 
 
 def step_mixed_groups_per_tensor(optimizer: Optimizer) -> list[int]:
-    """Turn ``foreach`` off in every parameter group of ``optimizer`` that mixes plain tensors and DTensors (see
-    [Note: foreach over mixed parameters]); returns the indices of the groups that had asked for it explicitly
-    (``foreach=True``), the ones a user should hear about."""
-    explicit = []
-    for index, group in enumerate(optimizer.param_groups):
-        kinds = {isinstance(p, DTensor) for p in group["params"]}
-        if len(kinds) > 1 and "foreach" in group and group["foreach"] is not False:
-            if group["foreach"]:
-                explicit.append(index)
-            group["foreach"] = False
-    return explicit
+    """Make every parameter group of ``optimizer`` that mixes plain tensors and DTensors step per tensor (see
+    [Note: foreach over mixed parameters]); returns the indices of those groups that ask for ``foreach=True``
+    explicitly, the ones a user should hear about."""
+    mixed = [
+        index
+        for index, group in enumerate(optimizer.param_groups)
+        if "foreach" in group and len({isinstance(p, DTensor) for p in group["params"]}) > 1
+    ]
+    if not mixed:
+        return []
+    saved: dict[int, Any] = {}
+
+    def per_tensor(opt: Optimizer, args: Any, kwargs: Any) -> None:
+        for index in mixed:
+            # After a step that raised (no post-hook), the value saved before it is still the group's own.
+            saved.setdefault(index, opt.param_groups[index]["foreach"])
+            opt.param_groups[index]["foreach"] = False
+
+    def restore(opt: Optimizer, args: Any, kwargs: Any) -> None:
+        for index, value in saved.items():
+            opt.param_groups[index]["foreach"] = value
+        saved.clear()
+
+    optimizer.register_step_pre_hook(per_tensor)
+    optimizer.register_step_post_hook(restore)
+    return [index for index in mixed if optimizer.param_groups[index]["foreach"] is True]

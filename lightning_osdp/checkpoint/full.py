@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_osdp import distributed
 from lightning_osdp.apply.state_dict import SliceMap
-from lightning_osdp.checkpoint import _dist, layout
+from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.errors import CheckpointMismatchError
 from lightning_osdp.checkpoint.keys import (
@@ -68,7 +69,7 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
         state: dict[str, Any] = {"state": {}, "param_groups": named_param_groups(module, optimizer)}
     else:
         state = dict(get_optimizer_state_dict(module, optimizer, options=_FULL))
-    if _dist.rank() != 0:
+    if distributed.rank() != 0:
         return {}
     return optimizer_state_to_native(SliceMap.of(module).merge_optimizer_state(state))
 
@@ -87,8 +88,8 @@ def save_full_checkpoint(
     Args:
         write: writes a dict to a file (the strategy passes its ``CheckpointIO``); ``torch.save`` by default.
     """
-    path = Path(_dist.broadcast(str(path)))
-    tmp = layout.temporary_path(path, _dist.broadcast(layout.new_token()))
+    path = Path(distributed.broadcast(str(path)))
+    tmp = layout.temporary_path(path, distributed.broadcast(layout.new_token()))
 
     def write_and_commit() -> None:
         layout.check_replaceable(path)
@@ -104,7 +105,7 @@ def save_full_checkpoint(
         finally:
             layout.remove_checkpoint(tmp)  # gone already unless the write failed
 
-    _dist.on_rank_zero(write_and_commit, f"saving checkpoint {str(path)!r}")
+    distributed.from_rank_zero(write_and_commit, what=f"saving checkpoint {str(path)!r}")
     return path
 
 

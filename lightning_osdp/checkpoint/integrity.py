@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from lightning_osdp import distributed
 from lightning_osdp._compat import dcp_writer_file_system
-from lightning_osdp.checkpoint import _dist
 from lightning_osdp.checkpoint.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -179,8 +179,8 @@ def verify_shared(directory: Path, manifest: Manifest) -> None:
     """:func:`verify_checksums` of every file, shared out between the ranks (a collective when a process group is
     initialised): file ``i`` is read by rank ``i mod world size`` only, and every rank raises if any file failed."""
     names = sorted(manifest.checksums)
-    mine = _failures(directory, manifest, names[_dist.rank() :: _dist.world_size()])
-    failures = [f for share in _dist.all_gather(mine) for f in share]
+    mine = _failures(directory, manifest, names[distributed.rank() :: distributed.world_size()])
+    failures = [f for share in distributed.all_gather(mine) for f in share]
     if failures:
         raise _corrupt(directory, failures)
 
@@ -202,11 +202,11 @@ def verify_records(path: Path, *, shared: bool = False) -> None:
         with zipfile.ZipFile(path) as archive:
             records = archive.infolist()
             if shared:
-                records = records[_dist.rank() :: _dist.world_size()]
+                records = records[distributed.rank() :: distributed.world_size()]
             failure = _bad_record(archive, records)
     except (zipfile.BadZipFile, EOFError) as err:  # the archive's directory: every rank reads it, and fails alike
         failure = str(err)
-    failures = [f for f in (_dist.all_gather(failure) if shared else [failure]) if f is not None]
+    failures = [f for f in (distributed.all_gather(failure) if shared else [failure]) if f is not None]
     if failures:
         raise CorruptCheckpointError(
             f"refusing to load checkpoint file {str(path)!r}: it is damaged ({failures[0]}): its bytes changed after "

@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_osdp import distributed
 from lightning_osdp._compat import dcp_load_into_empty
 from lightning_osdp.apply.state_dict import SliceMap
-from lightning_osdp.checkpoint import _dist, layout
+from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.errors import CheckpointError, IncompleteCheckpointError
 from lightning_osdp.checkpoint.integrity import checksumming_writer, verify_checksums, verify_shared, written_checksums
@@ -116,9 +117,9 @@ def save_sharded_checkpoint(
     writes ``meta.pt``, the plan, the profile and the manifest, and renames the directory into place (see
     ``layout``'s [Note: atomic saves]). Returns the final path.
     """
-    path = Path(_dist.broadcast(str(path)))
-    tmp = layout.temporary_path(path, _dist.broadcast(layout.new_token()))
-    _dist.on_rank_zero(lambda: layout.check_replaceable(path), f"saving checkpoint {str(path)!r}")
+    path = Path(distributed.broadcast(str(path)))
+    tmp = layout.temporary_path(path, distributed.broadcast(layout.new_token()))
+    distributed.from_rank_zero(lambda: layout.check_replaceable(path), what=f"saving checkpoint {str(path)!r}")
     slices = SliceMap.of(module)
     optimizer_states = list(checkpoint.get("optimizer_states", []))
     tensors: dict[str, Any] = {MODEL_KEY: checkpoint.get("state_dict", {})}
@@ -129,7 +130,9 @@ def save_sharded_checkpoint(
     writer = checksumming_writer(tmp)
     dcp.save(tensors, storage_writer=writer, planner=SliceSavePlanner(slices))
     # Each rank's checksums of the files it wrote, for the manifest (see `integrity`'s [Note: checksums]).
-    checksums = {name: crc for share in _dist.all_gather(written_checksums(writer)) for name, crc in share.items()}
+    checksums = {
+        name: crc for share in distributed.all_gather(written_checksums(writer)) for name, crc in share.items()
+    }
 
     def finish() -> None:
         meta = {k: v for k, v in checkpoint.items() if k not in _TENSOR_ENTRIES}
@@ -145,7 +148,7 @@ def save_sharded_checkpoint(
         layout.commit(tmp, path)
 
     # Every rank waits for the rename: a rank that loads or lists checkpoints right after must find it in place.
-    _dist.on_rank_zero(finish, f"saving checkpoint {str(path)!r}")
+    distributed.from_rank_zero(finish, what=f"saving checkpoint {str(path)!r}")
     return path
 
 
