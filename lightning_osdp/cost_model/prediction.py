@@ -21,6 +21,7 @@ from lightning_osdp.cost_model.timeline import (
 from lightning_osdp.cost_model.units import SHARDED_MODES, UnitTime
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solve_report import PredictionSummary
 from lightning_osdp.topology import Topology
 
 __all__ = ["Prediction", "PredictionCheck", "UnitPrediction", "predict"]
@@ -127,18 +128,22 @@ class Prediction:
         ``measured_peak_correction`` grows by when a run goes over its budget."""
         return max(measured_peak_bytes - self.peak_bytes, 0)
 
+    def summary(self) -> PredictionSummary:
+        """The figures a plan keeps of this prediction (``plan.info["prediction"]``)."""
+        return PredictionSummary(
+            peak_bytes=self.peak_bytes,
+            peak_parts=self.peak.as_dict(),
+            peak_at=self.peak_at,
+            step_seconds=self.step_seconds,
+            compute_seconds=self.compute_seconds,
+            communication_seconds=self.communication_seconds,
+            exposed_seconds=self.exposed_seconds,
+            world_size=self.world_size,
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able summary (saved in ``plan.info``)."""
-        return {
-            "peak_bytes": self.peak_bytes,
-            "peak_parts": self.peak.as_dict(),
-            "peak_at": self.peak_at,
-            "step_seconds": self.step_seconds,
-            "compute_seconds": self.compute_seconds,
-            "communication_seconds": self.communication_seconds,
-            "exposed_seconds": self.exposed_seconds,
-            "world_size": self.world_size,
-        }
+        """A JSON-able summary (saved in ``plan.info``): :meth:`summary` as a JSON object."""
+        return self.summary().to_dict()
 
     def check(
         self,

@@ -92,7 +92,7 @@ from lightning_osdp.cost_model.timeline import (
 )
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
-from lightning_osdp.solve_report import PredictionSummary, SolveReport
+from lightning_osdp.solve_report import SolveReport
 from lightning_osdp.solver.candidates import (
     Candidates,
     Recompute,
@@ -1046,7 +1046,7 @@ def solve(
         gap=gap,
         budget_bytes=budget,
         world_size=problem.world_size,
-        prediction=PredictionSummary.from_dict(prediction.to_dict()),
+        prediction=prediction.summary(),
         ilp_peak_bytes=ilp_peak,
         ilp_step_seconds=ilp_seconds,
         planning_units=problem.candidates.count,
