@@ -44,8 +44,13 @@ from gpt import GPTModule
 from throughput import RandomTokens, fit_briefly
 
 
-def make_model(args: argparse.Namespace) -> GPTModule:
+def make_model(args: argparse.Namespace) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
+    if args.vocab != 256 or args.untied:
+        # The GPT of examples/gpt with a larger vocabulary and/or its own head (issue 12's shape for the time model).
+        from loss_memory import LanguageModel
+
+        return LanguageModel(args.vocab, args.width, args.depth, args.context, tied=not args.untied)
     return GPTModule(
         width=args.width, depth=args.depth, heads=args.heads, context_length=args.context, lr_schedule="constant"
     )
@@ -76,7 +81,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--memory-steps", type=int, default=3)
-    parser.add_argument("--plans", default="no_shard,shard_grad_op,full_shard,mixed1,mixed2")
+    parser.add_argument("--vocab", type=int, default=256, help="vocabulary (the random tokens stay below 256)")
+    parser.add_argument("--untied", action="store_true", help="an LM head of its own (4 heads)")
+    parser.add_argument(
+        "--plans",
+        default="no_shard,shard_grad_op,full_shard,mixed1,mixed2",
+        help="comma-separated: no_shard, shard_grad_op, full_shard, mixed1, mixed2 (solved at 1/3 and 2/3 of the way "
+        "from the smallest feasible peak to DDP's), NAME=PLAN.json",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -101,6 +113,10 @@ def main() -> None:
     for mode in ("no_shard", "shard_grad_op", "full_shard"):
         if mode in wanted:
             plans[mode] = Plan({"": mode, **{b: mode for b in blocks}}, info={"source": f"uniform:{mode}"})
+    for entry in wanted:
+        if "=" in entry:  # NAME=PLAN.json: a plan of one's own
+            name, path = entry.split("=", 1)
+            plans[name] = Plan.load(path)
     if any(w.startswith("mixed") for w in wanted):
         low = minimum_budget(prof, ws)
         high = predict(prof, Plan({"": "no_shard", **{b: "no_shard" for b in blocks}}), ws).peak_bytes
