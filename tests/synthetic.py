@@ -7,9 +7,11 @@ The figures are derived from shapes (fp32, AdamW) and simple rates, not measured
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
 
-__all__ = ["gloo_like_collectives", "gpt_profile", "one_linear_on"]
+__all__ = ["gloo_like_collectives", "gpt_profile", "one_linear", "one_linear_on"]
 
 
 def gloo_like_collectives(world_size: int = 2) -> dict[str, CollectiveFit]:
@@ -157,10 +159,19 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
-def one_linear_on(device: str, *, fwd: float = 3e-3, bwd: float = 6e-3) -> ModelProfile:
-    """A root holding one Linear(4 -> 3) (weight (3, 4) and bias (3,), fp32: 60 bytes), AdamW, on ``device``, with
-    a copy bandwidth of 100 kB/s (so that copies of tens of bytes take a visible fraction of a millisecond)."""
-    root = ModuleProfile(name="", type="Net", parent=None, children=["a"], output_bytes=4)
+def one_linear(
+    *,
+    world_size: int = 2,
+    fwd: float = 1e-3,
+    bwd: float = 2e-3,
+    root_output_bytes: int = 4,
+    collectives: dict[str, CollectiveFit] | None = None,
+    **fields: Any,
+) -> ModelProfile:
+    """A root holding one Linear(4 -> 3): weight (3, 4) and bias (3,), fp32 (60 bytes), AdamW; its figures set by
+    hand. ``collectives`` default to round figures (all-gather 1 ms + 1 MB/s, reduce-scatter 2 ms + 0.5 MB/s,
+    all-reduce 0.5 ms + 2 MB/s); ``fields`` are the rest of the ``ModelProfile``'s."""
+    root = ModuleProfile(name="", type="Net", parent=None, children=["a"], output_bytes=root_output_bytes)
     a = ModuleProfile(
         name="a",
         type="Linear",
@@ -177,17 +188,29 @@ def one_linear_on(device: str, *, fwd: float = 3e-3, bwd: float = 6e-3) -> Model
         fwd_seconds=fwd,
         bwd_seconds=bwd,
     )
+    if collectives is None:
+        collectives = {
+            "all_gather": CollectiveFit("all_gather", world_size, 1e-3, 1e6),
+            "reduce_scatter": CollectiveFit("reduce_scatter", world_size, 2e-3, 5e5),
+            "all_reduce": CollectiveFit("all_reduce", world_size, 5e-4, 2e6),
+        }
     return ModelProfile(
         modules={"": root, "a": a},
-        collectives={
-            "all_gather": CollectiveFit("all_gather", 2, 1e-3, 1e6),
-            "reduce_scatter": CollectiveFit("reduce_scatter", 2, 2e-3, 5e5),
-            "all_reduce": CollectiveFit("all_reduce", 2, 5e-4, 2e6),
-        },
-        world_size=2,
-        device=device,
+        collectives=collectives,
+        world_size=world_size,
         optimizer="AdamW",
         optim_state_factor=2.0,
+        **fields,
+    )
+
+
+def one_linear_on(device: str, *, fwd: float = 3e-3, bwd: float = 6e-3) -> ModelProfile:
+    """:func:`one_linear` on ``device``, with a copy bandwidth of 100 kB/s (so that copies of tens of bytes take a
+    visible fraction of a millisecond)."""
+    return one_linear(
+        fwd=fwd,
+        bwd=bwd,
+        device=device,
         step_overhead_seconds=10e-3,
         optimizer_step_seconds=6e-3,
         copy_bytes_per_second=1e5,

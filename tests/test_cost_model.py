@@ -9,8 +9,9 @@ import pytest
 from lightning_osdp.cost_model import CostModelConfig, MemoryParts, predict
 from lightning_osdp.cost_model.units import ParamSpec, unit_bytes
 from lightning_osdp.plan import Plan
-from lightning_osdp.profiling.model_profile import CollectiveFit, ModelProfile, ModuleProfile
+from lightning_osdp.profiling.model_profile import ModelProfile
 
+import synthetic
 from synthetic import gpt_profile
 
 CONFIG = CostModelConfig(
@@ -26,34 +27,9 @@ CONFIG = CostModelConfig(
 
 def one_linear(world_size: int = 2) -> ModelProfile:
     """A root holding one Linear(4 -> 3): weight (3, 4) and bias (3,), fp32 (60 bytes), AdamW."""
-    root = ModuleProfile(name="", type="Net", parent=None, children=["a"], output_bytes=4)
-    a = ModuleProfile(
-        name="a",
-        type="Linear",
-        parent="",
-        param_count=15,
-        param_bytes=60,
-        param_shapes=[[3, 4], [3]],
-        trainable_param_bytes=60,
-        grad_bytes=60,
-        optim_state_bytes=120,
-        optim_scalar_bytes=8,
-        activation_bytes=100,
-        output_bytes=60,
-        fwd_seconds=1e-3,
-        bwd_seconds=2e-3,
-    )
-    return ModelProfile(
-        modules={"": root, "a": a},
-        collectives={
-            "all_gather": CollectiveFit("all_gather", world_size, 1e-3, 1e6),
-            "reduce_scatter": CollectiveFit("reduce_scatter", world_size, 2e-3, 5e5),
-            "all_reduce": CollectiveFit("all_reduce", world_size, 5e-4, 2e6),
-        },
+    return synthetic.one_linear(
         world_size=world_size,
         device="cpu",
-        optimizer="AdamW",
-        optim_state_factor=2.0,
         step_overhead_seconds=10e-3,
         optimizer_step_seconds=6e-3,
         extra_activation_bytes=20,

@@ -17,10 +17,11 @@ from torch.nn import functional as F
 
 from lightning_osdp import InfeasibleBudgetError, ModelProfile, OSDPStrategy, Plan, predict, profile
 from lightning_osdp.cost_model import CostModelConfig
-from lightning_osdp.profiling.model_profile import CollectiveFit, LossMemory, ModuleProfile
+from lightning_osdp.profiling.model_profile import CollectiveFit, LossMemory
 from lightning_osdp.solver import minimum_budget, solve
 
 from models import TinyGPT, loaders
+from synthetic import one_linear
 
 N, V = 16, 1000  # tokens and vocabulary of the head below: its logits are N * V * 4 = 64,000 bytes
 LOGITS = N * V * 4
@@ -91,33 +92,8 @@ def test_a_returned_dict_keeps_the_logits_to_the_end_of_the_step() -> None:
 
 def _linear_profile(**fields: Any) -> ModelProfile:
     """A root holding one Linear(4 -> 3), fp32 (60 bytes), AdamW, on 2 ranks: its figures are set by hand."""
-    root = ModuleProfile(name="", type="Net", parent=None, children=["a"], output_bytes=60)
-    a = ModuleProfile(
-        name="a",
-        type="Linear",
-        parent="",
-        param_count=15,
-        param_bytes=60,
-        param_shapes=[[3, 4], [3]],
-        trainable_param_bytes=60,
-        grad_bytes=60,
-        optim_state_bytes=120,
-        optim_scalar_bytes=8,
-        activation_bytes=100,
-        output_bytes=60,
-        fwd_seconds=1e-3,
-        bwd_seconds=2e-3,
-    )
     fits = {op: CollectiveFit(op, 2, 1e-3, 1e6) for op in ("all_gather", "reduce_scatter", "all_reduce")}
-    return ModelProfile(
-        modules={"": root, "a": a},
-        collectives=fits,
-        world_size=2,
-        optimizer="AdamW",
-        optim_state_factor=2.0,
-        extra_activation_bytes=20,
-        **fields,
-    )
+    return one_linear(root_output_bytes=60, collectives=fits, extra_activation_bytes=20, **fields)
 
 
 CONFIG = CostModelConfig(copy_bytes_per_second=1e6, ddp_bucket_bytes=120)
