@@ -13,6 +13,7 @@ import lightning as L
 import torch
 import torch.utils.checkpoint
 import torchmetrics
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -140,3 +141,17 @@ def loaders(batch_size: int = 4, n: int = 64) -> tuple[DataLoader, DataLoader]:
     train = DataLoader(TokenDataset(n), batch_size=batch_size, shuffle=True)
     val = DataLoader(TokenDataset(16, seed=99), batch_size=batch_size)
     return train, val
+
+
+class BackwardBuffer(Callback):
+    """Holds ``nbytes`` from just before backward to just after: memory the profiled step never sees."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.buffer: Tensor | None = None
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.buffer = None

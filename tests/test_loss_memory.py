@@ -20,7 +20,7 @@ from lightning_osdp.cost_model import CostModelConfig
 from lightning_osdp.profiling.model_profile import CollectiveFit, LossMemory
 from lightning_osdp.solver import minimum_budget, solve
 
-from models import TinyGPT, loaders
+from models import BackwardBuffer, TinyGPT, loaders
 from synthetic import one_linear
 
 N, V = 16, 1000  # tokens and vocabulary of the head below: its logits are N * V * 4 = 64,000 bytes
@@ -161,20 +161,6 @@ def test_profiles_of_version_2_load_without_a_loss_region(tmp_path: Path) -> Non
     old = ModelProfile.load(tmp_path / "v2.profile.json")
     assert old.loss is None and old.measured_peak_correction == 0
     assert old == dataclasses.replace(measured, loss=None)
-
-
-class BackwardBuffer(Callback):
-    """Holds ``nbytes`` from just before backward to just after: memory the profiled step never sees."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.buffer: Tensor | None = None
-
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
-        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
-
-    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.buffer = None
 
 
 def _fit(strategy: OSDPStrategy, callback: Callback, steps: int, **kwargs: Any) -> L.Trainer:

@@ -32,6 +32,8 @@ from lightning_osdp import OSDPStrategy, Plan, predict, profile
 from lightning_osdp.solver import minimum_budget
 from lightning_osdp.solver.policy import smallest_memory_budget
 
+from models import BackwardBuffer
+
 VOCAB, WIDTH, CONTEXT, BATCH = 4096, 64, 32, 2
 
 
@@ -64,20 +66,6 @@ class HeadLM(L.LightningModule):
 def loader() -> DataLoader[Tensor]:
     tokens = torch.randint(0, VOCAB, (64, CONTEXT + 1), generator=torch.Generator().manual_seed(0))
     return DataLoader(tokens, batch_size=BATCH)  # type: ignore[arg-type]
-
-
-class BackwardBuffer(Callback):
-    """Holds ``nbytes`` from just before backward to just after: memory the profiled step never sees."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.buffer: Tensor | None = None
-
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
-        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
-
-    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.buffer = None
 
 
 def fit(strategy: OSDPStrategy, callbacks: list[Callback], steps: int = 5, **kwargs: Any) -> dict[str, Any]:
