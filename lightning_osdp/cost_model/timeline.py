@@ -251,6 +251,19 @@ class SegmentSimulator:
         key = (self.later_reduce_input_alive, self.earlier_prefetch_alive)
         self.bwd_peaks[key] = _max(self.bwd_peaks[key], value)
 
+    def _gather_in_backward(self, i: int, output_gradient: MemoryParts) -> None:
+        """Unit ``i`` gathered again in backward (beside ``output_gradient``): a prefetched unit's all-gather output
+        is counted already and only its copy-out is left; otherwise the all-gather buffer and the unsharded
+        parameters are both alive until the copy-out ends."""
+        u = self.bytes[i]
+        if i in self.prefetched:
+            self.prefetched.discard(i)
+            self.level += _gathered(u.gathered)
+        else:
+            self.level += _comm(u.flat) + _gathered(u.gathered)
+        self._backward_instant(self.level + output_gradient)
+        self.level -= _comm(u.flat)
+
     # ------------------------------------------------------------------ FSDP2 events
     def pre_forward(self, i: int) -> None:
         """``unshard`` and ``wait_for_unshard`` of unit ``i``."""
@@ -291,13 +304,7 @@ class SegmentSimulator:
         if u.reshards_after_forward and i in self.gathered_in_recompute:
             pass  # gathered by its pre-forward in an enclosing module's recomputation
         elif u.reshards_after_forward:
-            if i in self.prefetched:
-                self.prefetched.discard(i)
-                self.level += _gathered(u.gathered)
-            else:
-                self.level += _comm(u.flat) + _gathered(u.gathered)
-            self._backward_instant(self.level + output_gradient)
-            self.level -= _comm(u.flat)
+            self._gather_in_backward(i, output_gradient)
         # Implicit backward prefetch: the unit that finished its forward just before this one.
         k = self.post_forward_order.index(i)
         if k == 0:
@@ -389,14 +396,7 @@ class SegmentSimulator:
         only copies out."""
         output_gradient = _acts(node.out)  # what the recomputation was triggered for
         for i in self._nested_full_shard_units(node):
-            u = self.bytes[i]
-            if i in self.prefetched:
-                self.prefetched.discard(i)
-                self.level += _gathered(u.gathered)
-            else:
-                self.level += _comm(u.flat) + _gathered(u.gathered)
-            self._backward_instant(self.level + output_gradient)
-            self.level -= _comm(u.flat)
+            self._gather_in_backward(i, output_gradient)
             self.gathered_in_recompute.add(i)
         self.level += _acts(node.saved() - node.kept_saved)
         self._backward_instant(self.level + output_gradient)
