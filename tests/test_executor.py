@@ -159,6 +159,33 @@ def test_clipping_a_mix_of_plain_and_sharded_gradients_equals_torch(world1: obje
         torch.testing.assert_close(grad, b.grad)
 
 
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clipping_when_every_gradient_is_sharded_equals_torch(world1: object, algorithm: str) -> None:
+    # A plan that shards every unit has no plain gradients at all (this was a KeyError).
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_osdp.apply.clip import clip_grad_norm_, clip_grad_value_
+
+    torch.manual_seed(0)
+    sharded = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    reference = copy.deepcopy(sharded)
+    fully_shard(sharded[0], mesh=world1)  # type: ignore[arg-type]
+    fully_shard(sharded, mesh=world1)  # type: ignore[arg-type]
+    x = torch.randn(4, 6)
+    for model in (sharded, reference):
+        model(x).pow(2).sum().backward()
+    assert all(isinstance(p.grad, DTensor) for p in sharded.parameters())
+    if algorithm == "norm":
+        torch.testing.assert_close(
+            clip_grad_norm_(sharded.parameters(), 0.5), torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        )
+    else:
+        clip_grad_value_(sharded.parameters(), 0.05)
+        torch.nn.utils.clip_grad_value_(reference.parameters(), 0.05)
+    for a, b in zip(sharded.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad.full_tensor(), b.grad)
+
+
 def test_the_releasing_all_gather_frees_only_a_live_buffer() -> None:
     from lightning_osdp.comm import ReleasingAllGather
 

@@ -63,4 +63,5 @@ def parts_by_mesh(params: list[Tensor]) -> list[list[Tensor]]:
     parts: dict[object, list[Tensor]] = {}
     for p in params:
         parts.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    return [part for mesh, part in parts.items() if mesh is not None] + [parts[None]] * (None in parts)
+    # The plain part last, when there is one (a plan that shards every unit has none).
+    return [part for mesh, part in parts.items() if mesh is not None] + ([parts[None]] if None in parts else [])
