@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
     from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
     from lightning.fabric.utilities.types import ReduceOp
+    from lightning.pytorch.strategies.ddp import _DDPForwardRedirection as DDPForwardRedirection
     from lightning.pytorch.strategies.launchers.multiprocessing import (
         _MultiProcessingLauncher as MultiProcessingLauncher,
     )
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TORCH_VALIDATED",
+    "DDPForwardRedirection",
     "MultiProcessingLauncher",
     "StrategyRegistry",
     "SubprocessScriptLauncher",
@@ -78,6 +80,7 @@ __all__ = [
     "fit_train_dataloader",
     "init_dist_connection",
     "optimizers_to_device",
+    "preserve_version_counter",
     "set_num_threads_if_needed",
     "storage_resize_hook",
     "sync_ddp_if_available",
@@ -138,6 +141,17 @@ def ddp_ignore_parameters(module: torch.nn.Module, names: Sequence[str]) -> None
     from torch.nn.parallel import DistributedDataParallel
 
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
+
+
+def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Any:
+    """A context in which in-place writes to ``tensors`` leave their autograd version counters as they were.
+
+    ``torch.autograd._unsafe_preserve_version_counter`` (2.9-2.13): DDP's own buffer broadcast runs under it, so that
+    a buffer autograd saved is not reported as modified. OSDP writes buffers back the same way: after broadcasting
+    them from rank 0 (``apply/buffers.py``) and around a recomputation (``apply/recompute.py``), where the values
+    written are the ones autograd saw.
+    """
+    return torch.autograd._unsafe_preserve_version_counter(tensors)
 
 
 def fake_tensor_mode() -> FakeTensorMode:
@@ -237,6 +251,9 @@ _LIGHTNING_CLASSES: dict[str, tuple[str, str]] = {
     # unsharded state dict instead of rank 0's DTensor shards (see launcher.py).
     "MultiProcessingLauncher": ("lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
     "WorkerOutput": ("lightning.pytorch.strategies.launchers.multiprocessing", "_WorkerOutput"),
+    # The forward redirection of Lightning's DDP strategy: in manual optimization it turns DDP's gradient sync off
+    # for the redirected forward (the backward already ran inside it) and back on after it.
+    "DDPForwardRedirection": ("lightning.pytorch.strategies.ddp", "_DDPForwardRedirection"),
 }
 
 

@@ -66,6 +66,7 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
         {"shape_env": None, "static_shapes": True, "allow_non_fake_inputs": True},
     ),
     "torch.fx.experimental.symbolic_shapes.ShapeEnv": ((), {}),
+    "torch.autograd._unsafe_preserve_version_counter": (((),), {}),
     # Overridden by lightning_osdp.precision.OSDPGradScaler.
     "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler._unscale_grads_": (
         (SELF, None, None, None, True),
