@@ -1,18 +1,21 @@
 """Stage 3 of the pipeline: apply a plan to a model (operator splitting, then FSDP2 per sharded unit and DDP for
 the replicated rest)."""
 
+from lightning_osdp.apply.buffers import BufferBroadcast
 from lightning_osdp.apply.clip import clip_grad_norm_
 from lightning_osdp.apply.executor import (
     OSDPModule,
     ReplicatedModule,
     Unit,
     apply_plan,
+    no_gradient_sync,
     plan_units,
 )
 from lightning_osdp.apply.recompute import is_recomputed, recompute_modules
 from lightning_osdp.apply.split import SplitLinear, split_linear
 
 __all__ = [
+    "BufferBroadcast",
     "OSDPModule",
     "ReplicatedModule",
     "SplitLinear",
@@ -20,6 +23,7 @@ __all__ = [
     "apply_plan",
     "clip_grad_norm_",
     "is_recomputed",
+    "no_gradient_sync",
     "plan_units",
     "recompute_modules",
     "split_linear",

@@ -42,7 +42,8 @@ still reduces the plain ``no_shard`` parameters over the world, and ignores the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp._compat import ddp_ignore_parameters
+from lightning_osdp.apply.buffers import BufferBroadcast
 from lightning_osdp.apply.recompute import recompute_modules
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.comm import ReleasingAllGather, reduce_scatter_comm, releases_all_gather_after_forward
@@ -64,6 +66,7 @@ __all__ = [
     "ReplicatedModule",
     "Unit",
     "apply_plan",
+    "no_gradient_sync",
     "plan_units",
 ]
 
@@ -87,6 +90,8 @@ class OSDPModule(nn.Module):
         super().__init__()
         self.root_unit = _RootUnit(module)
         self.plan = plan
+        #: Rank 0's buffers broadcast before training forwards, when no DDP does it (see ``apply/buffers.py``).
+        self.buffer_broadcast: BufferBroadcast | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -101,13 +106,21 @@ class ReplicatedModule(DistributedDataParallel):
     DDP]). ``.module`` is what it wraps: the model when the plan shards nothing, else the :class:`OSDPModule`
     whose DTensor parameters it ignores. ``.plan`` is the plan applied."""
 
-    def __init__(self, module: nn.Module, plan: Plan, mesh: DeviceMesh) -> None:
+    def __init__(
+        self, module: nn.Module, plan: Plan, mesh: DeviceMesh, *, find_unused_parameters: bool = False
+    ) -> None:
         device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
         sharded = [n for n, p in module.named_parameters(remove_duplicate=False) if isinstance(p, DTensor)]
         if sharded:
             ddp_ignore_parameters(module, sharded)
         # Gradients as views into the communication buckets: no second copy of them (the cost model counts one).
-        super().__init__(module, device_ids=device_ids, process_group=mesh.get_group(), gradient_as_bucket_view=True)
+        super().__init__(
+            module,
+            device_ids=device_ids,
+            process_group=mesh.get_group(),
+            gradient_as_bucket_view=True,
+            find_unused_parameters=find_unused_parameters,
+        )
         self.plan = plan
 
     @property
@@ -141,6 +154,7 @@ def apply_plan(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
     hybrid_mesh: DeviceMesh | None = None,
+    find_unused_parameters: bool = False,
 ) -> OSDPModule | ReplicatedModule:
     """Shard ``module`` in place as ``plan`` says and return the module to train: the FSDP2 root
     :class:`OSDPModule` around it, within a :class:`ReplicatedModule` (DDP) when some trainable parameters are
@@ -155,6 +169,9 @@ def apply_plan(
             casts).
         hybrid_mesh: the 2-D mesh ``(replicate, shard)`` of the ``hybrid_shard`` units (see [Note: units on two
             meshes] and ``lightning_osdp/topology.py``); needed only when the plan has such units.
+        find_unused_parameters: DDP's option of the same name for the replicated part: needed when a step's backward
+            leaves some replicated parameters without a gradient (``toggle_optimizer`` in manual optimization, a
+            branch not taken); FSDP2's units need nothing (a unit that got no gradient reduces nothing).
     """
     if mesh.ndim != 1:
         raise ValueError(f"apply_plan expects a 1-D data-parallel mesh, got {mesh}")
@@ -186,7 +203,7 @@ def apply_plan(
     # Before FSDP2 and DDP: their hooks then sit around the checkpointed forward (see apply/recompute.py).
     recompute_modules(module, [name for name, d in plan.decisions.items() if d.recompute])
     if all(d.mode == "no_shard" for d in plan.decisions.values()):
-        return ReplicatedModule(module, plan, mesh)
+        return ReplicatedModule(module, plan, mesh, find_unused_parameters=find_unused_parameters)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -226,8 +243,32 @@ def apply_plan(
         shard(root.root_unit, [], root_mode, releases=False)
     shard(root, [], "shard_grad_op", releases=False)  # parameter-less: only the root hooks
     if any(p.requires_grad for p in plain):
-        return ReplicatedModule(root, plan, mesh)
+        # DDP broadcasts the buffers of the whole model.
+        return ReplicatedModule(root, plan, mesh, find_unused_parameters=find_unused_parameters)
+    root.buffer_broadcast = BufferBroadcast(module, mesh.get_group())
+    root.buffer_broadcast.attach(root)
     return root
+
+
+@contextmanager
+def no_gradient_sync(model: OSDPModule | ReplicatedModule) -> Generator[None, None, None]:
+    """No gradient reduction while the context is open (accumulating micro-batches): DDP's ``no_sync`` for the
+    replicated part, FSDP2's ``set_requires_gradient_sync(False)`` for the sharded units; both keep unsharded
+    gradients until the last micro-batch. As under DDP, the forwards run in it do not broadcast buffers afterwards."""
+    sharded = model.sharded if isinstance(model, ReplicatedModule) else model
+    broadcast = sharded.buffer_broadcast if sharded is not None else None
+    with model.no_sync() if isinstance(model, ReplicatedModule) else nullcontext():
+        if sharded is not None:
+            sharded.set_requires_gradient_sync(False)  # type: ignore[operator]
+        if broadcast is not None:
+            broadcast.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            if sharded is not None:
+                sharded.set_requires_gradient_sync(True)  # type: ignore[operator]
+            if broadcast is not None:
+                broadcast.require_backward_grad_sync = True
 
 
 def _bottom_up(units: Sequence[CommunicationUnit]) -> list[CommunicationUnit]:
