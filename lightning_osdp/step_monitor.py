@@ -1,9 +1,21 @@
-"""Measured step time and peak memory of each optimizer step, on this rank."""
+"""Measured step time and peak memory of each optimizer step, on this rank.
+
+[Note: measured steps and torch.compile]
+On CPU the peak is counted by :class:`~lightning_osdp.memory.LiveStorageTracker`, a ``TorchDispatchMode``. Dynamo
+does not compile under such a mode, and it does worse than fall back: a frame first met under one is marked to be
+skipped for good (torch 2.9-2.13: ``ConvertFrameReturn``'s default is "skip this code object from now on"), so a
+block compiled in the user's ``__init__`` and first called in a measured step would never compile in the whole run.
+The tracked steps therefore run under ``torch.compiler.set_stance("force_eager")``: compiled modules run their
+eager code there, no frame is marked, and they compile at the first untracked step. The measured peak of those
+steps is the eager step's (what the profile also measures; a compiled step keeps fewer intermediates), and their
+time is eager time. CUDA measures with the allocator's statistics, no mode: every step runs as compiled.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +50,7 @@ class StepMonitor:
     measurements: list[StepMeasurement] = field(default_factory=list)
     _started_at: float | None = None
     _tracker: LiveStorageTracker | None = None
+    _eager: ExitStack = field(default_factory=ExitStack)
 
     @property
     def running(self) -> bool:
@@ -52,6 +65,8 @@ class StepMonitor:
                 torch.cuda.synchronize(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
             elif self.device.type == "cpu":
+                # See [Note: measured steps and torch.compile].
+                self._eager.enter_context(torch.compiler.set_stance("force_eager"))
                 self._tracker = LiveStorageTracker("cpu").start(*roots)
         self._started_at = time.perf_counter()
 
@@ -68,6 +83,7 @@ class StepMonitor:
         if self._tracker is not None:
             peak = self._tracker.stop()
             self._tracker = None
+        self._eager.close()
         self._started_at = None
         measurement = StepMeasurement(len(self.measurements), elapsed, peak)
         self.measurements.append(measurement)
@@ -78,6 +94,7 @@ class StepMonitor:
         if self._tracker is not None:
             self._tracker.stop()
             self._tracker = None
+        self._eager.close()
         self._started_at = None
 
     @property
