@@ -260,6 +260,13 @@ def check_state_dict_type(value: Any) -> StateDictType:
     return cast(StateDictType, value)
 
 
+def check_find_unused_parameters(value: Any) -> bool | None:
+    """``None``, ``True`` or ``False``."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"OSDPStrategy(find_unused_parameters=...) takes None, True or False, got {value!r}")
+    return value
+
+
 def check_timeout(value: Any, *, solver_time_limit: float, planning: bool) -> timedelta:
     """``None`` (:func:`default_timeout`), a positive ``timedelta``, or a positive number of seconds.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,6 +21,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -36,13 +37,14 @@ from typing_extensions import override
 from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp import options
 from lightning_osdp._compat import (
+    DDPForwardRedirection,
     fit_ckpt_path,
     fit_train_dataloader,
     init_dist_connection,
     optimizers_to_device,
     sync_ddp_if_available,
 )
-from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan
+from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan, no_gradient_sync
 from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.distributed import from_rank_zero
@@ -143,6 +145,10 @@ class OSDPStrategy(ParallelStrategy):
             groups); ``None``: the ranks of one node (``devices``). It must divide the world size and hold whole nodes
             or fit a whole number of times in one (checked when the Trainer is built; see
             ``lightning_osdp/topology.py``).
+        find_unused_parameters: DDP's option of the same name (Lightning's ``DDPStrategy(find_unused_parameters=...)``)
+            for the replicated units: needed when a backward leaves some of their parameters without a gradient, as
+            ``toggle_optimizer`` does in manual optimization with several optimizers; the sharded units need nothing.
+            ``None`` (default): ``True`` for a LightningModule with ``automatic_optimization = False``, else ``False``.
 
     Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
     wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
@@ -173,6 +179,7 @@ class OSDPStrategy(ParallelStrategy):
         memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
         mixed_precision: str | MixedPrecisionPolicy | None = None,
         shard_group_size: int | None = None,
+        find_unused_parameters: bool | None = None,
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
@@ -210,9 +217,13 @@ class OSDPStrategy(ParallelStrategy):
         self._node_mesh: DeviceMesh | None = None
         self._memory_steps = options.check_memory_steps(memory_steps)
         self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
+        self._find_unused_parameters = options.check_find_unused_parameters(find_unused_parameters)
         self._monitor: StepMonitor | None = None
         self._root: OSDPModule | ReplicatedModule | None = None
         self.num_nodes = 1
+        # DDP's: in manual optimization `manual_backward` runs inside the redirected forward, where DDP's reducer must
+        # not prepare a backward of its own (`pre_backward` prepares it).
+        self._forward_redirection = DDPForwardRedirection()
 
     # ------------------------------------------------------------------ what users read
     @property
@@ -467,7 +478,16 @@ class OSDPStrategy(ParallelStrategy):
             self.model.to(self.root_device)
             plan = self._resolve_plan(trainer)
             self._root = apply_plan(
-                module, plan, mesh=self.device_mesh, hybrid_mesh=self.hybrid_mesh, mp_policy=self._mp_policy
+                module,
+                plan,
+                mesh=self.device_mesh,
+                hybrid_mesh=self.hybrid_mesh,
+                mp_policy=self._mp_policy,
+                find_unused_parameters=(
+                    not module.automatic_optimization
+                    if self._find_unused_parameters is None
+                    else self._find_unused_parameters
+                ),
             )
             # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
             object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
@@ -630,6 +650,14 @@ class OSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # As Lightning's DDP strategy: a manual backward runs inside the forward (see `_forward_redirection`), before
+        # DDP's post-forward would have prepared its reducer.
+        module = self.lightning_module
+        if isinstance(self.model, ReplicatedModule) and module is not None and not module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._start_step()
         return super().training_step(*args, **kwargs)
@@ -727,17 +755,9 @@ class OSDPStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient reduction while accumulating: DDP and FSDP2 keep unsharded gradients until the last
         micro-batch."""
-        model = self.model
-        sharded = model.sharded if isinstance(model, ReplicatedModule) else model
-        with model.no_sync() if isinstance(model, ReplicatedModule) else nullcontext():
-            if not isinstance(sharded, OSDPModule):
-                yield None
-                return
-            sharded.set_requires_gradient_sync(False)  # type: ignore[operator]
-            try:
-                yield None
-            finally:
-                sharded.set_requires_gradient_sync(True)  # type: ignore[operator]
+        assert isinstance(self.model, (OSDPModule, ReplicatedModule))
+        with no_gradient_sync(self.model):
+            yield
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -482,3 +482,67 @@ def test_profile_survives_a_json_round_trip_and_prints_as_a_table(tmp_path: Any)
     assert "MultiheadAttention" in text and "all_gather" in text and "\x1b[" not in text
     folded = format_profile(loaded, max_depth=1)
     assert "ln_1" not in folded and " h " in folded and "MultiheadAttention" not in folded
+
+
+@pytest.mark.parametrize("mode", ["measured", "estimated"])
+def test_a_manually_optimized_training_step_is_profiled_with_its_own_optimizers(mode: str) -> None:
+    # Two optimizers, toggling, clipping and a scheduler, no Trainer attached: the step runs as written on the
+    # profiled copy, with the optimizers rebuilt there.
+    from models import GANDataset, ManualGAN
+
+    model = ManualGAN()
+    real, z = GANDataset()[0]
+    result = profile(model, (real[None].repeat(8, 1), z[None].repeat(8, 1)), mode=mode)
+    generator = ("generator.0", "generator.2")
+    discriminator = ("discriminator.0", "discriminator.2")
+    g_bytes = sum(result.modules[n].param_bytes for n in generator)
+    d_bytes = sum(result.modules[n].param_bytes for n in discriminator)
+    assert (g_bytes, d_bytes) == (516 * 4, 337 * 4)  # 8*24+24 + 24*12+12; 12*24+24 + 24+1
+    # Every parameter got a gradient in one of the step's two backwards.
+    assert sum(result.modules[n].grad_bytes for n in generator + discriminator) == g_bytes + d_bytes
+    # AdamW keeps two states per generator parameter, SGD with momentum one per discriminator parameter.
+    assert sum(result.modules[n].optim_state_bytes for n in generator) == 2 * g_bytes
+    assert sum(result.modules[n].optim_state_bytes for n in discriminator) == d_bytes
+    assert result.optimizer == "AdamW+SGD"
+    # The discriminator runs three times (twice in its own step), each call's activations counted.
+    assert result.modules["discriminator.0"].activation_bytes > result.modules["generator.0"].activation_bytes
+    assert model.losses == []  # the user's module ran nothing
+
+
+class _Compiled(nn.Module):
+    # Defined here: dynamo counts no frame of torch.nn's own modules (they are inlined).
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.gelu(self.fc(x)) * 2
+
+
+def test_compiled_modules_compile_after_the_steps_measured_under_the_live_storage_tracker() -> None:
+    # The tracker is a dispatch mode: a compiled frame first met under it would be skipped for the whole run.
+    from torch._dynamo.utils import counters
+
+    from lightning_osdp.step_monitor import StepMonitor
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = _Compiled()
+    block.compile(backend="aot_eager")
+    monitor = StepMonitor(torch.device("cpu"), memory_steps=2)
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        monitor.start(block)
+        block(x).sum().backward()
+        monitor.stop()
+    assert [m.peak_memory_bytes is not None for m in monitor.measurements] == [True, True, False, False]
+    assert counters["frames"]["ok"] >= 1, dict(counters["frames"])
+    # The profile runs the model under dispatch modes too, and leaves it compilable.
+    torch._dynamo.reset()
+    counters.clear()
+    fresh = _Compiled()
+    fresh.compile(backend="aot_eager")
+    profile(fresh, x, mode="measured")
+    assert not counters["frames"], "profiling compiled a frame"
+    fresh(x)
+    assert counters["frames"]["ok"] >= 1

@@ -49,12 +49,17 @@ class LossRegionRecorder:
         self._backward_end: int | None = None
 
     def model_returned(self, output_bytes: int, outside_activation_bytes: int) -> None:
-        """A top-level module holding parameters returned in forward: the region (re)starts here."""
+        """A top-level module holding parameters returned in forward: the region (re)starts here, until the first
+        backward (a manual ``training_step`` may run the model again after it)."""
+        if self._backward_start is not None:
+            return
         _, live = self.meter.mark()
         self._start = (live, output_bytes, outside_activation_bytes)
 
     def backward_started(self) -> None:
-        """``loss.backward()`` is about to run."""
+        """``loss.backward()`` is about to run (the first backward only counts)."""
+        if self._backward_start is not None:
+            return
         self._forward_peak, self._backward_start = self.meter.mark()
 
     def module_backward_started(self) -> None:

@@ -37,6 +37,7 @@ from lightning_osdp.profiling.parameters import owner_of_parameters
 __all__ = [
     "OptimizerSpec",
     "OptimizerState",
+    "configured_optimization",
     "is_known",
     "optimizers_from_lightning_module",
     "rebuild_optimizers",
@@ -76,6 +77,13 @@ def _unwrap(optimizer: Any) -> Any:
 
 def optimizers_from_lightning_module(module: nn.Module) -> list[Optimizer]:
     """The optimizers ``configure_optimizers()`` builds (schedulers and monitor settings dropped)."""
+    return configured_optimization(module)[0]
+
+
+def configured_optimization(module: nn.Module) -> tuple[list[Optimizer], list[Any]]:
+    """The optimizers and the learning-rate schedulers ``configure_optimizers()`` builds, in Lightning's order (monitor
+    settings dropped). The schedulers are what a manual ``training_step``'s ``self.lr_schedulers()`` gets while it is
+    profiled: they belong to these optimizers, not to the ones the profiled copy steps."""
     try:
         conf = module.configure_optimizers()  # type: ignore[operator]
     except Exception as error:
@@ -84,6 +92,12 @@ def optimizers_from_lightning_module(module: nn.Module) -> list[Optimizer]:
             f"{error}); pass profile(optimizer=...) (an optimizer instance, class or factory)"
         ) from error
     found: list[Optimizer] = []
+    schedulers: list[Any] = []
+
+    def scheduler(item: Any) -> None:
+        item = item.get("scheduler") if isinstance(item, dict) else item
+        if item is not None:
+            schedulers.append(item)
 
     def collect(item: Any) -> None:
         item = _unwrap(item)
@@ -91,16 +105,19 @@ def optimizers_from_lightning_module(module: nn.Module) -> list[Optimizer]:
             found.append(item)
         elif isinstance(item, dict):
             collect(item.get("optimizer"))
+            scheduler(item.get("lr_scheduler"))
         elif isinstance(item, (list, tuple)):
-            # ([optimizers], [schedulers]): only the first element holds optimizers.
+            # ([optimizers], [schedulers]).
             if len(item) == 2 and isinstance(item[0], (list, tuple)) and isinstance(item[1], (list, tuple)):
                 collect(item[0])
+                for sub in item[1]:
+                    scheduler(sub)
             else:
                 for sub in item:
                     collect(sub)
 
     collect(conf)
-    return found
+    return found, schedulers
 
 
 def _constructor_kwargs(cls: type[Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:

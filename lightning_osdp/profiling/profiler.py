@@ -31,7 +31,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,7 @@ from lightning_osdp.profiling.model_profile import CollectiveFit, LossMemory, Mo
 from lightning_osdp.profiling.optimizer_state import (
     OptimizerSpec,
     OptimizerState,
-    optimizers_from_lightning_module,
+    configured_optimization,
     rebuild_optimizers,
     state_copies,
     state_from_instance,
@@ -143,25 +143,39 @@ class _Session:
         self.clock = device_clock(device)
         self.tracer = ModuleTracer(work, self.clock)
         self.state = OptimizerState()
-        self.grad_bytes: dict[str, int] = {}
+        self.grad_bytes: dict[str, int] = {}  # the largest over the traced step's backwards
         self.failed_optimizers: list[Optimizer] = []
         self.loss_memory: LossMemory | None = None
+        # The step running: its tracer, whether it counts gradients and optimizer state (the traced step), the
+        # optimizers counted so far, and the seconds its optimizer steps took.
+        self._tracer: ModuleTracer | None = None
+        self._counting = False
+        self._counted: list[Optimizer] = []
+        self._optimizer_seconds = 0.0
 
-    def _backward(self, loss: Tensor, tracer: ModuleTracer | None) -> None:
+    def _backward(self, loss: Tensor, tracer: ModuleTracer | None, *args: Any, **kwargs: Any) -> None:
         if not loss.requires_grad:
             return  # nothing trainable in the step: no backward to profile
         try:
             if tracer is not None:
-                tracer.backward(loss)
+                tracer.backward(loss, *args, **kwargs)
             else:
-                loss.backward()
+                loss.backward(*args, **kwargs)
         except Exception as error:
             raise ProfilingError(
                 f"backward of {self.runner.name}'s loss failed on the example batch: {type(error).__name__}: {error}"
             ) from error
+        if self._counting:
+            for name, nbytes in grad_bytes_by_module(self.work).items():
+                self.grad_bytes[name] = max(self.grad_bytes.get(name, 0), nbytes)
 
-    def _step_optimizers(self) -> None:
-        for optimizer in self.optimizers:
+    def _step_optimizers(self, optimizers: list[Optimizer]) -> None:
+        """Step ``optimizers``; in the traced step, count their state (by rule, else from the stepped instance, else
+        from a proxy when the step cannot run on fake tensors) the first time each steps."""
+        new = [o for o in optimizers if self._counting and o not in self._counted]
+        self._counted.extend(new)
+        unknown = state_from_rule(new, self.work, self.state) if new else []
+        for optimizer in optimizers:
             if optimizer in self.failed_optimizers:
                 continue
             try:
@@ -173,6 +187,13 @@ class _Session:
                         f"{type(error).__name__}: {error}"
                     ) from error
                 self.failed_optimizers.append(optimizer)
+        stepped = [o for o in unknown if o not in self.failed_optimizers]
+        if stepped:
+            state_from_instance(stepped, self.work, self.state)
+            self.state.source = "instance"
+        failed = [o for o in unknown if o in self.failed_optimizers]
+        if failed:
+            state_from_proxy(failed, self.work, self.state)
 
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers:
@@ -182,6 +203,43 @@ class _Session:
                 p.grad = None
         self.runner.release()  # the end of the step: Lightning drops training_step's output about here
 
+    # ---------------------------------------------------------------- a manual training_step's calls
+    # (see lightning_osdp/profiling/step.py [Note: manual optimization while profiling])
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """``self.manual_backward(loss)`` in the user's step: the backward of the step running."""
+        self._backward(loss, self._tracer, *args, **kwargs)
+
+    def manual_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None) -> Any:
+        """``opt.step(closure)`` in the user's step: the closure, then the step, timed as the optimizer's."""
+        result = closure() if closure is not None else None
+        start = self.clock()
+        with self._tracer.optimizer() if self._tracer is not None else nullcontext():
+            self._step_optimizers([optimizer])
+        self._optimizer_seconds += self.clock() - start
+        return result
+
+    # ---------------------------------------------------------------- the steps
+    def _run_step(self, tracer: ModuleTracer | None, *, counting: bool = False) -> float:
+        """One training step (``tracer`` attributes it to modules, when given); returns the optimizer's seconds."""
+        self._tracer, self._counting, self._optimizer_seconds = tracer, counting, 0.0
+        try:
+            with tracer.forward() if tracer is not None else nullcontext():
+                loss = self.runner.forward_loss()
+            if loss is not None:  # else a manual step, which ran its own backward and steps
+                self._backward(loss, tracer)
+                self._step_all()
+            self._zero_grad()
+        finally:
+            self._tracer, self._counting = None, False
+        return self._optimizer_seconds
+
+    def _step_all(self) -> None:
+        """Step every optimizer after an automatic step's backward."""
+        start = self.clock()
+        with self._tracer.optimizer() if self._tracer is not None else nullcontext():
+            self._step_optimizers(self.optimizers)
+        self._optimizer_seconds += self.clock() - start
+
     def traced_step(self) -> StepRecord:
         """The step that records activations, FLOPs, gradients, optimizer state and the loss region's memory."""
         excluded = [*self.work.parameters(), *self.work.buffers(), *tree_leaves(self.runner.batch)]
@@ -189,21 +247,7 @@ class _Session:
         region = LossRegionRecorder(meter)
         try:
             with self.tracer.iteration(memory=True, ops=True, excluded=excluded, region=region) as record:
-                with self.tracer.forward():
-                    loss = self.runner.forward_loss()
-                self._backward(loss, self.tracer)
-                self.grad_bytes = grad_bytes_by_module(self.work)
-                unknown = state_from_rule(self.optimizers, self.work, self.state)
-                with self.tracer.optimizer():
-                    self._step_optimizers()
-                stepped = [o for o in unknown if o not in self.failed_optimizers]
-                if stepped:
-                    state_from_instance(stepped, self.work, self.state)
-                    self.state.source = "instance"
-                failed = [o for o in unknown if o in self.failed_optimizers]
-                if failed:
-                    state_from_proxy(failed, self.work, self.state)
-                self._zero_grad()
+                self._run_step(self.tracer, counting=True)
         finally:
             meter.stop()
         self.loss_memory = region.result()
@@ -212,23 +256,14 @@ class _Session:
     def hooked_step(self) -> StepRecord:
         """A step whose time is attributed to modules (hooks, no operator tracing)."""
         with self.tracer.iteration() as record:
-            with self.tracer.forward():
-                loss = self.runner.forward_loss()
-            self._backward(loss, self.tracer)
-            self._step_optimizers()
-            self._zero_grad()
+            self._run_step(self.tracer)
         return record
 
     def plain_step(self) -> tuple[float, float]:
         """``(step seconds, optimizer-step seconds)`` of a step without any hook."""
         start = self.clock()
-        loss = self.runner.forward_loss()
-        self._backward(loss, None)
-        before = self.clock()
-        self._step_optimizers()
-        after = self.clock()
-        self._zero_grad()
-        return self.clock() - start, after - before
+        optimizer = self._run_step(None)
+        return self.clock() - start, optimizer
 
 
 def _module_profiles(
@@ -369,6 +404,7 @@ class _Request:
     name: str
     target: torch.device
     spec: OptimizerSpec | None
+    schedulers: list[Any]  # configure_optimizers' (for a manual training_step's `self.lr_schedulers()`)
     param_names: dict[int, str]
     param_bytes: int
     mode: str
@@ -409,8 +445,9 @@ def _request(
     on_meta = any(t.is_meta for t in [*params, *module.buffers()])
     target = _resolve_device(module, device, on_meta)
     spec: OptimizerSpec | None = optimizer
+    schedulers: list[Any] = []
     if spec is None and is_lightning_module(module):
-        spec = optimizers_from_lightning_module(module)
+        spec, schedulers = configured_optimization(module)
     instances = [o for o in (spec if isinstance(spec, (list, tuple)) else [spec]) if isinstance(o, Optimizer)]
     return _Request(
         module=module,
@@ -419,6 +456,7 @@ def _request(
         spec=spec,
         param_names={id(p): n for n, p in module.named_parameters(remove_duplicate=False)},
         param_bytes=sum(p.numel() * p.element_size() for p in params),
+        schedulers=schedulers,
         mode=_choose_mode(mode, module, on_meta, target, state_copies(instances), available_memory),
         repeats=repeats,
         copy_bytes_per_second=copy_bytes_per_second,
@@ -508,6 +546,10 @@ def _profile_locally(request: _Request) -> ModelProfile:
     rates, copy_rate = request.rates, request.copy_bytes_per_second
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=rng_devices))
+        # The traced steps run under dispatch modes, where dynamo would mark the user's compiled modules to be
+        # skipped for the whole run (see lightning_osdp/step_monitor.py [Note: measured steps and torch.compile]):
+        # the profile measures their eager code.
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
         # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
         if estimated and rates is None:
             rates = measure_device_rates(target, _floating_dtype(request.module))
@@ -522,6 +564,12 @@ def _profile_locally(request: _Request) -> ModelProfile:
             stack.enter_context(runner.quiet_metrics())
         optimizers = rebuild_optimizers(request.spec, request.param_names, work, name)
         session = _Session(work, runner, optimizers, target, estimated)
+        if runner.manual:
+            stack.enter_context(
+                runner.manual_optimization(
+                    optimizers, request.schedulers, backward=session.manual_backward, step=session.manual_step
+                )
+            )
         record = _traced(session, request)
         if estimated:
             assert rates is not None  # given or measured above

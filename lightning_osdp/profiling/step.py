@@ -10,6 +10,20 @@ A plain ``nn.Module``, or a LightningModule given its ``example_input_array`` (`
 dict by keyword, anything else as the one argument), and the loss is ``loss_fn(output, batch)`` when one is given,
 else the sum of the output's floating-point tensors.
 
+[Note: manual optimization while profiling]
+A LightningModule with ``automatic_optimization = False`` does its own backward and optimizer steps inside
+``training_step``, through ``self.optimizers()``, ``self.manual_backward``, ``self.lr_schedulers()``,
+``self.toggle_optimizer`` and ``self.clip_gradients``. At setup those reach the Trainer, whose optimizers do not
+exist yet (they are built on the sharded parameters, after planning), and a profiled copy must step its own
+optimizers anyway. So while the copy is profiled, :meth:`StepRunner.manual_optimization` gives it its own: the
+optimizers rebuilt on the copy (stepped by the profiler, which counts their state and time), the schedulers the
+model's ``configure_optimizers`` returned with them, ``manual_backward`` run by the profiler (traced like a loss's
+backward), and toggling and clipping with Lightning's semantics on those optimizers. The user's ``training_step``
+then runs as written, however many forwards, backwards and steps it makes. Such a step is profiled as one forward
+and one backward over all of them: every module's activations are summed over its calls, and gradients of every
+optimizer are counted as alive together, an upper bound on a step that frees one optimizer's before the next
+forward (a GAN's); the loss region is measured around the first backward.
+
 [Note: logging while profiling]
 ``LightningModule.log`` is replaced by a no-op on the module being profiled: with a trainer attached and no loop
 running, Lightning raises ("the loop's result collection is not registered"), and ``sync_dist=True`` would issue a
@@ -25,7 +39,8 @@ too large to measure.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -35,7 +50,7 @@ from torch import Tensor, nn
 from lightning_osdp._compat import tree_leaves
 from lightning_osdp.profiling.errors import ProfilingError
 
-__all__ = ["StepRunner", "describe_batch", "is_lightning_module"]
+__all__ = ["ProfiledOptimizer", "StepRunner", "describe_batch", "is_lightning_module"]
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -68,6 +83,37 @@ def _shapes(batch: Any) -> str:
     if not tensors:
         return f"a {type(batch).__name__} without tensors"
     return ", ".join(f"{t['dtype']}{t['shape']}" for t in tensors)
+
+
+class ProfiledOptimizer:
+    """What ``self.optimizers()`` returns in a profiled manual ``training_step``: the optimizer rebuilt on the profiled
+    copy, whose ``step`` the profiler runs (see [Note: manual optimization while profiling]). Any other attribute is
+    the optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[torch.optim.Optimizer, Any], Any]) -> None:
+        self.optimizer = optimizer
+        self._step = step
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Run ``closure`` (as ``LightningOptimizer.step`` does), then the optimizer's step."""
+        return self._step(self.optimizer, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet (while unpickling)
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+
+def _raw(optimizer: Any) -> Any:
+    return optimizer.optimizer if isinstance(optimizer, ProfiledOptimizer) else optimizer
+
+
+def _one_or_list(items: Sequence[Any]) -> Any:
+    # Lightning's convention for `optimizers()` and `lr_schedulers()`.
+    return items[0] if len(items) == 1 else list(items)
 
 
 class StepRunner:
@@ -104,6 +150,8 @@ class StepRunner:
         if step == "training_step" and not self.lightning:
             raise ProfilingError(f"{self.name} is not a LightningModule: it has no training_step to profile")
         self.training_step = self.lightning and step != "forward"
+        #: Whether ``training_step`` optimizes by itself (see [Note: manual optimization while profiling]).
+        self.manual = self.training_step and not getattr(module, "automatic_optimization", True)
         #: ``training_step``'s return value, kept until :meth:`release`
         self.output: Any = None
 
@@ -140,8 +188,90 @@ class StepRunner:
                 for attr in ("forward", "update"):
                     vars(mod).pop(attr, None)
 
-    def forward_loss(self) -> Tensor:
-        """The step's loss; any exception from the user's code becomes a :class:`ProfilingError`."""
+    @contextmanager
+    def manual_optimization(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
+        backward: Callable[..., None],
+        step: Callable[[torch.optim.Optimizer, Any], Any],
+    ) -> Iterator[None]:
+        """Give the module its own optimizers, schedulers, ``manual_backward``, toggling and clipping while it is
+        profiled (see [Note: manual optimization while profiling]); ``backward(loss, *args, **kwargs)`` and
+        ``step(optimizer, closure)`` are the profiler's."""
+        module = self.module
+        wrapped = [ProfiledOptimizer(o, step) for o in optimizers]
+        toggled: dict[Tensor, bool] = {}
+
+        def optimizers_(use_pl_optimizer: bool = True) -> Any:
+            return _one_or_list(wrapped if use_pl_optimizer else list(optimizers))
+
+        def lr_schedulers() -> Any:
+            return _one_or_list(schedulers) if schedulers else None
+
+        def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
+            backward(loss, *args, **kwargs)
+
+        def toggle_optimizer(optimizer: Any) -> None:
+            # LightningModule.toggle_optimizer, over the profiled optimizers.
+            toggled.clear()
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    for param in group["params"]:
+                        if param not in toggled:
+                            toggled[param] = param.requires_grad
+                            param.requires_grad = False
+            for group in _raw(optimizer).param_groups:
+                for param in group["params"]:
+                    param.requires_grad = toggled[param]
+
+        def untoggle_optimizer(optimizer: Any) -> None:
+            for opt in optimizers:
+                if opt is not _raw(optimizer):
+                    for group in opt.param_groups:
+                        for param in group["params"]:
+                            if param in toggled:
+                                param.requires_grad = toggled[param]
+            toggled.clear()
+
+        def clip_gradients(
+            optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+        ) -> None:
+            # LightningModule.clip_gradients: the Trainer's settings when none are given.
+            trainer = vars(module).get("_trainer")
+            value = gradient_clip_val if gradient_clip_val is not None else getattr(trainer, "gradient_clip_val", None)
+            algorithm = gradient_clip_algorithm or getattr(trainer, "gradient_clip_algorithm", None) or "norm"
+            if not value:
+                return
+            params = [p for group in _raw(optimizer).param_groups for p in group["params"]]
+            if str(getattr(algorithm, "value", algorithm)).lower() == "value":
+                torch.nn.utils.clip_grad_value_(params, value)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, value)
+
+        patches = {
+            "optimizers": optimizers_,
+            "lr_schedulers": lr_schedulers,
+            "manual_backward": manual_backward,
+            "toggle_optimizer": toggle_optimizer,
+            "untoggle_optimizer": untoggle_optimizer,
+            "clip_gradients": clip_gradients,
+        }
+        patched = [name for name in patches if name not in vars(module)]
+        for name in patched:
+            setattr(module, name, patches[name])
+        try:
+            with warnings.catch_warnings():
+                # The schedulers belong to optimizers the profile does not step (see the Note).
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+                yield
+        finally:
+            for name in patched:
+                vars(module).pop(name, None)
+
+    def forward_loss(self) -> Tensor | None:
+        """The step's loss (``None`` for a manually optimized ``training_step``, which ran its own backward); any
+        exception from the user's code becomes a :class:`ProfilingError`."""
         try:
             with self.step_context():
                 loss = self._loss()
@@ -159,9 +289,11 @@ class StepRunner:
         """Drop the step's output (at the end of the step)."""
         self.output = None
 
-    def _loss(self) -> Tensor:
+    def _loss(self) -> Tensor | None:
         if self.training_step:
             output = self.output = self.module.training_step(self.batch, 0)  # type: ignore[operator]
+            if self.manual:
+                return None
             if isinstance(output, Mapping):
                 output = output.get("loss")
             if not isinstance(output, Tensor):

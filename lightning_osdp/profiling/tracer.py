@@ -251,6 +251,7 @@ class ModuleTracer:
         self._stack: list[_Frame] = []
         self._started: set[str] = set()
         self._owner: dict[Any, str | None] = {}
+        self._hooked: set[Any] = set()  # autograd nodes with timing hooks
         self._handles: list[Any] = []
         self._node_handles: list[Any] = []
         self._memory = False
@@ -301,6 +302,7 @@ class ModuleTracer:
             self._handles.clear()
             self._node_handles.clear()
             self._owner.clear()
+            self._hooked.clear()
             self._saved.clear()
             self._stack.clear()
             self._record, self._phase, self._region = None, None, None
@@ -318,30 +320,34 @@ class ModuleTracer:
         finally:
             self._phase = None
 
-    def backward(self, loss: Tensor) -> None:
-        """Run ``loss.backward()`` with every node of the step's graph timed for its module."""
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Run ``loss.backward(*args, **kwargs)`` with every node of the step's graph timed for its module. A manual
+        ``training_step`` calls it inside :meth:`forward`, possibly several times: the phase it interrupts resumes."""
         self._claim([loss], None)
         for node, owner in self._owner.items():
-            self._node_handles.append(node.register_prehook(self._node_pre(owner)))
-            self._node_handles.append(node.register_hook(self._node_post(owner)))
-        self._phase = "backward"
+            if node not in self._hooked:
+                self._hooked.add(node)
+                self._node_handles.append(node.register_prehook(self._node_pre(owner)))
+                self._node_handles.append(node.register_hook(self._node_post(owner)))
+        previous, self._phase = self._phase, "backward"
         if self._region is not None:
             self._region.backward_started()
         try:
-            loss.backward()
+            loss.backward(*args, **kwargs)
         finally:
-            self._phase = None
+            self._phase = previous
         if self._region is not None:
             self._region.backward_ended()
 
     @contextmanager
     def optimizer(self) -> Iterator[None]:
-        """The optimizer step (its operators are tallied apart from any module's)."""
-        self._phase = "optimizer"
+        """The optimizer step (its operators are tallied apart from any module's); inside :meth:`forward` in a manual
+        ``training_step``, after which the forward phase resumes."""
+        previous, self._phase = self._phase, "optimizer"
         try:
             yield
         finally:
-            self._phase = None
+            self._phase = previous
 
     # ---------------------------------------------------------------- module hooks
     def _pre_forward(self, mod: nn.Module, args: Any, kwargs: Any) -> None:
