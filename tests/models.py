@@ -155,3 +155,118 @@ class BackwardBuffer(Callback):
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.buffer = None
+
+
+class ConvBlock(nn.Module):
+    """Conv, BatchNorm (running statistics updated in every training forward), ReLU."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class BatchNormCNN(L.LightningModule):
+    """Three conv-BN-ReLU blocks and a Linear head on 8x8 images: a model whose forward mutates its buffers."""
+
+    def __init__(self, width: int = 16, classes: int = 5, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.blocks = nn.Sequential(ConvBlock(3, width), ConvBlock(width, width), ConvBlock(width, width))
+        self.head = nn.Linear(width * 8 * 8, classes)
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(x).flatten(1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        # Evaluation reads the running statistics: wrong statistics show here.
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class ImageDataset(Dataset[tuple[Tensor, Tensor]]):
+    """Deterministic random 3x8x8 images whose class is set by a per-class offset, different on every item."""
+
+    def __init__(self, n: int = 64, classes: int = 5, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+        self.x = torch.randn(n, 3, 8, 8, generator=g) + self.y[:, None, None, None] * 0.3
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+class ManualGAN(L.LightningModule):
+    """A GAN-style module under manual optimization: two optimizers, ``self.optimizers()``, ``manual_backward``,
+    ``toggle_optimizer``, ``clip_gradients`` and a scheduler stepped by hand (what GAN and RL modules do)."""
+
+    def __init__(self, noise: int = 8, width: int = 24, features: int = 12, clip: float | None = 0.5) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.save_hyperparameters()
+        self.generator = nn.Sequential(nn.Linear(noise, width), nn.Tanh(), nn.Linear(width, features))
+        self.discriminator = nn.Sequential(nn.Linear(features, width), nn.Tanh(), nn.Linear(width, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        real, z = batch
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        # Generator: fool the discriminator.
+        self.toggle_optimizer(opt_g)
+        fake = self.generator(z)
+        g_loss = nn.functional.softplus(-self.discriminator(fake)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        if self.hparams.clip:
+            self.clip_gradients(opt_g, gradient_clip_val=self.hparams.clip, gradient_clip_algorithm="norm")
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        # Discriminator: tell real from (detached) fake.
+        self.toggle_optimizer(opt_d)
+        d_loss = (
+            nn.functional.softplus(-self.discriminator(real)).mean()
+            + nn.functional.softplus(self.discriminator(fake.detach())).mean()
+        )
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.lr_schedulers()[1].step()  # type: ignore[index]
+        self.losses.extend([g_loss.item(), d_loss.item()])
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        opt_g = torch.optim.AdamW(self.generator.parameters(), lr=1e-2)
+        opt_d = torch.optim.SGD(self.discriminator.parameters(), lr=5e-2, momentum=0.9)
+        return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 2), torch.optim.lr_scheduler.StepLR(opt_d, 3)]
+
+
+class GANDataset(Dataset[tuple[Tensor, Tensor]]):
+    """Real samples (a shifted Gaussian) paired with noise, deterministic."""
+
+    def __init__(self, n: int = 64, noise: int = 8, features: int = 12, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.real = torch.randn(n, features, generator=g) * 0.5 + 1.0
+        self.z = torch.randn(n, noise, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.real)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.real[i], self.z[i]
