@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -78,7 +77,7 @@ def gib(text: str) -> float:
 def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp_does(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    start = time.perf_counter()
+    # How long it takes is a benchmark figure (benchmarks/plan_at_scale.py), not a test's: CI may run loaded.
     code, out, err = osdp(
         capsys,
         "plan",
@@ -95,9 +94,7 @@ def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp
         "--batch-size",
         4,
     )
-    elapsed = time.perf_counter() - start
     assert code == 0, err
-    assert elapsed < 60, f"the dry run took {elapsed:.0f} s"
     assert "1.31B parameters" in out and "8 x NVIDIA GeForce RTX 4090" in out
     assert "OSDP plan: Plan(" in out and "predicted peak" in out
     rows = comparison(out)
