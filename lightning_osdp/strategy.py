@@ -7,9 +7,8 @@ checkpoints).
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -20,13 +19,14 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -49,6 +49,7 @@ from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
+from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan, PlanError
 from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.profiling.collectives import NodeGroups
@@ -62,14 +63,13 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_osdp._compat import StrategyRegistry
-    from lightning_osdp.cost_model import Prediction, PredictionCheck
+    from lightning_osdp.cost_model import PredictionCheck
+    from lightning_osdp.solver.resolve import Resolution
 
 __all__ = ["OSDPStrategy"]
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _ROOT_ATTRIBUTE = "_osdp_root"
-# Step 0 builds the optimizer state and runs lazy init: the check uses the median of the steps after it.
-_CHECK_AFTER_STEPS = 4
 
 # [Note: mixed precision]
 # Lightning's `bf16-mixed` is autocast over fp32 parameters: a sharded unit gathers fp32, and autocast then makes a
@@ -204,7 +204,6 @@ class OSDPStrategy(ParallelStrategy):
         self._profile: ModelProfile | None = None
         # Where this run saved the profile beside its plan (rank 0), to record a measured correction in.
         self._profile_file: Path | None = None
-        self._prediction_check: PredictionCheck | None = None
         self._plan: Plan | None = options.check_plan(plan)
         self._process_group_backend = options.check_process_group_backend(process_group_backend)
         self._timeout = options.check_timeout(
@@ -218,7 +217,7 @@ class OSDPStrategy(ParallelStrategy):
         self._memory_steps = options.check_memory_steps(memory_steps)
         self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
         self._find_unused_parameters = options.check_find_unused_parameters(find_unused_parameters)
-        self._monitor: StepMonitor | None = None
+        self._monitor: OSDPMonitor | None = None
         self._root: OSDPModule | ReplicatedModule | None = None
         self.num_nodes = 1
         # DDP's: in manual optimization `manual_backward` runs inside the redirected forward, where DDP's reducer must
@@ -258,66 +257,38 @@ class OSDPStrategy(ParallelStrategy):
 
     @property
     def profile(self) -> ModelProfile | None:
-        """The model profile the plan was solved from (``None`` when a plan was given)."""
-        return self._profile
+        """The model profile the plan was solved from (``None`` when a plan was given), with any correction a
+        measured peak over the budget recorded in it."""
+        return self._monitor.profile if self._monitor is not None else self._profile
 
     @property
     def prediction_check(self) -> PredictionCheck | None:
         """The plan's predicted peak memory and step time against rank 0's measured ones, after the first steps."""
-        return self._prediction_check
+        return self._monitor.prediction_check if self._monitor is not None else None
 
     @property
     def monitor(self) -> StepMonitor | None:
         """Measured step times and peak memory of this rank (after setup)."""
-        return self._monitor
+        return self._monitor.steps if self._monitor is not None else None
 
     @property
     def peak_memory_bytes(self) -> int | None:
         """This rank's measured peak memory of a training step (largest over the measured steps)."""
-        return self._monitor.peak_memory_bytes if self._monitor else None
+        return self._monitor.peak_memory_bytes if self._monitor is not None else None
 
     @property
     def step_time(self) -> float | None:
         """This rank's median measured step time in seconds (first step excluded)."""
-        return self._monitor.step_time() if self._monitor else None
+        return self._monitor.step_time if self._monitor is not None else None
 
     def summary(self) -> str:
         """One line for the end of a run: the step reached and the last logged metrics, the plan in force, and this
         rank's measured step time and peak memory beside the plan's prediction (when the plan was solved here or
         resumed with its profile). The examples and the demo print it."""
-        parts = []
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        if trainer is not None:
-            metrics = []
-            for name, value in sorted(trainer.callback_metrics.items()):
-                if (isinstance(value, Tensor) and value.numel() == 1) or isinstance(value, (int, float)):
-                    number = float(value)
-                else:
-                    continue
-                if math.isfinite(number):
-                    metrics.append(f"{name}={number:.4f}")
-            parts.append(f"step {trainer.global_step}: " + (" ".join(metrics) or "no metrics logged"))
-        if self._plan is None:
-            parts.append("no plan yet")
-            return " | ".join(parts)
-        budget = f", budget {format_bytes(self._memory_budget)} per device" if self._memory_budget else ""
-        parts.append(f"{self._plan.summary()} on {self.world_size} ranks{budget}")
-        predicted = None
-        if self._profile is not None:
-            from lightning_osdp.cost_model import predict
-
-            predicted = predict(self._profile, self._plan, self.topology)
-        measured = []
-        if self.step_time is not None:
-            guess = f" (predicted {predicted.step_seconds * 1e3:.1f} ms)" if predicted else ""
-            measured.append(f"step {self.step_time * 1e3:.1f} ms{guess}")
-        if self.peak_memory_bytes is not None:
-            guess = f" (predicted {format_bytes(predicted.peak_bytes)})" if predicted else ""
-            measured.append(f"peak memory {format_bytes(self.peak_memory_bytes)}{guess}")
-        if measured:
-            parts.append(f"rank {self.global_rank} measured: " + ", ".join(measured))
-        return " | ".join(parts)
+        if self._monitor is None:
+            return "no plan yet"
+        return self._monitor.summary(module._trainer if module is not None else None, self.global_rank)
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -476,7 +447,8 @@ class OSDPStrategy(ParallelStrategy):
             # Cast before sharding so that FSDP2 shards parameters of their final dtype (bf16-true).
             self.model = self.precision_plugin.convert_module(self.model)
             self.model.to(self.root_device)
-            plan = self._resolve_plan(trainer)
+            resolution = self._resolve_plan(trainer)
+            plan, self._profile = resolution.plan, resolution.profile
             self._root = apply_plan(
                 module,
                 plan,
@@ -494,8 +466,7 @@ class OSDPStrategy(ParallelStrategy):
             self.model = self._root
             self._plan = plan
             self._report_plan(plan)
-        if self._monitor is None:
-            self._monitor = StepMonitor(self.root_device, memory_steps=self._memory_steps)
+        self._attach_monitor(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             # Optimizers are built after sharding, so they hold the DTensor shards.
@@ -511,45 +482,51 @@ class OSDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_plan(self, trainer: pl.Trainer) -> Plan:
-        """The plan given; else the plan of the checkpoint being resumed, if made for this world size, topology and
-        budget; else profile the model and solve."""
-        if self._plan is not None:
-            return self._plan
-        choice = self._resume_choice()
-        planned_for = _planned_for(choice.plan, self.world_size) if choice is not None and choice.plan else None
-        here = self.topology
-        if planned_for is not None and planned_for != Topology(here.nodes, here.ranks_per_node, here.shard_size):
-            saved = planned_for.describe()
-            rank_zero_info(
-                f"OSDP: the checkpoint's plan was made for {saved} and this run is {self.topology.describe()}: "
-                "planning again (the checkpoint loads under the new plan)"
-            )
-        elif choice is not None:
-            rank_zero_info(f"OSDP: {choice.reason}")
-            if choice.plan is not None:
-                self._profile = ModelProfile.from_dict(choice.profile) if choice.profile else None
-                return self._plan_with_correction(choice.plan)
-        return self._profile_and_solve(trainer)
+    def _resolve_plan(self, trainer: pl.Trainer) -> Resolution:
+        """The plan given, else the resumed checkpoint's, else profile and solve
+        (:func:`~lightning_osdp.solver.resolve.resolve_plan`); a plan solved here is printed and saved."""
+        from lightning_osdp.solver.resolve import resolve_plan
 
-    def _plan_with_correction(self, plan: Plan) -> Plan:
-        """``plan`` (a checkpoint's), or a new plan from the checkpoint's profile when that profile carries a measured
-        correction under which ``plan`` no longer fits (see :meth:`_check_prediction`)."""
-        profile = self._profile
-        if profile is None or profile.measured_peak_correction <= 0 or self._memory_budget is None:
-            return plan
+        resolution = resolve_plan(
+            given=self._plan,
+            resumed=self._resume_choice(),
+            topology=self.topology,
+            fits=self._fits,
+            solve=lambda profile: from_rank_zero(lambda: self.plan_for(profile), what="planning"),
+            profile=lambda: self._profile_model(trainer),
+        )
+        for message in resolution.messages:
+            rank_zero_info(f"OSDP: {message}")
+        if resolution.solved_here:
+            self._save_plan(trainer, resolution.plan, resolution.profile)
+        return resolution
+
+    def _fits(self, profile: ModelProfile, plan: Plan) -> bool:
         from lightning_osdp.cost_model import predict
         from lightning_osdp.solver import planned_budget
 
-        if predict(profile, plan, self.world_size).peak_bytes <= planned_budget(
-            self._memory_budget, self._memory_headroom
-        ):
-            return plan
-        rank_zero_info(
-            f"OSDP: the saved plan went over its budget when it ran (the profile carries a measured correction of "
-            f"{format_bytes(profile.measured_peak_correction)}): planning again from the saved profile"
-        )
-        return from_rank_zero(lambda: self.plan_for(profile), what="planning")
+        assert self._memory_budget is not None
+        budget = planned_budget(self._memory_budget, self._memory_headroom)
+        return predict(profile, plan, self.topology).peak_bytes <= budget
+
+    def _attach_monitor(self, trainer: pl.Trainer) -> None:
+        """The run's :class:`~lightning_osdp.monitor.OSDPMonitor`, among the Trainer's callbacks before its checkpoint
+        callbacks (so that a step's measurement ends before a checkpoint is written)."""
+        assert self._plan is not None
+        if self._monitor is None or self._monitor.plan is not self._plan:
+            self._monitor = OSDPMonitor(
+                self.root_device,
+                plan=self._plan,
+                profile=self._profile,
+                topology=self.topology,
+                memory_budget=self._memory_budget,
+                profile_file=self._profile_file,
+                memory_steps=self._memory_steps,
+            )
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by its callback connector
+        if self._monitor not in callbacks:
+            first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+            callbacks.insert(first_checkpoint, self._monitor)
 
     def _resume_choice(self) -> osdp_checkpoint.PlanChoice | None:
         assert self.lightning_module is not None
@@ -561,13 +538,13 @@ class OSDPStrategy(ParallelStrategy):
             saved, world_size=self.world_size, memory_budget=self._requested_budget, module=self.lightning_module
         )
 
-    def _profile_and_solve(self, trainer: pl.Trainer) -> Plan:
-        from lightning_osdp.cost_model import predict
+    def _profile_model(self, trainer: pl.Trainer) -> ModelProfile:
+        """Profile the LightningModule on the first training batch (a collective: every rank profiles its replica,
+        rank 0's figures are broadcast so that all plan alike)."""
         from lightning_osdp.profiling import profile as profile_model
         from lightning_osdp.profiling import profile_with_policy
-        from lightning_osdp.solver import format_plan
 
-        assert self.lightning_module is not None and self._memory_budget is not None
+        assert self.lightning_module is not None
         batch, source, step = self._representative_batch(trainer)
         kwargs: dict[str, Any] = {
             "device": self.root_device,
@@ -578,26 +555,28 @@ class OSDPStrategy(ParallelStrategy):
             "available_memory": device_memory_capacity(self.root_device, self.num_processes),
             "node_groups": self._node_groups(),
         }
-        # A collective: every rank profiles its replica, rank 0's figures are broadcast so all plan alike.
         if self._mp_policy is not None:
             # As the policy runs the step: parameters in its dtype (lightning_osdp/profiling/mixed_precision.py).
-            profile = profile_with_policy(self.lightning_module, batch, self._mp_policy, **kwargs)
-        else:
-            profile = profile_model(self.lightning_module, batch, **kwargs)
-        self._profile = profile
-        plan = from_rank_zero(lambda: self.plan_for(profile), what="planning")
+            return profile_with_policy(self.lightning_module, batch, self._mp_policy, **kwargs)
+        return profile_model(self.lightning_module, batch, **kwargs)
+
+    def _save_plan(self, trainer: pl.Trainer, plan: Plan, profile: ModelProfile | None) -> None:
+        """Rank 0 prints the plan solved here and saves it, with its profile beside it."""
+        from lightning_osdp.cost_model import predict
+        from lightning_osdp.solver import format_plan
+
         # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
         out = (
             Path(self._plan_out)
             if self._plan_out
             else Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
         )
-        if self.is_global_zero:
-            print(format_plan(plan, predict(profile, plan, self.topology), budget=self._memory_budget))
-            plan.save(out)
-            self._profile_file = profile.save(out.with_name(out.stem + ".profile.json"))
-            rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
-        return plan
+        if not self.is_global_zero or profile is None:
+            return
+        print(format_plan(plan, predict(profile, plan, self.topology), budget=self._memory_budget))
+        plan.save(out)
+        self._profile_file = profile.save(out.with_name(out.stem + ".profile.json"))
+        rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
 
     def plan_for(self, profile: ModelProfile, world_size: int | Topology | None = None) -> Plan:
         """The plan this strategy chooses for ``profile`` under its memory budget and planner options, on
@@ -657,99 +636,6 @@ class OSDPStrategy(ParallelStrategy):
         if isinstance(self.model, ReplicatedModule) and module is not None and not module.automatic_optimization:
             prepare_for_backward(self.model, closure_loss)
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._start_step()
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        self._start_step()
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._end_step()
-        return output
-
-    def _start_step(self) -> None:
-        module = self.lightning_module
-        if self._monitor is not None and module is not None and module.trainer.training:
-            self._monitor.start(self.model, *self.optimizers)
-
-    def _end_step(self) -> None:
-        if self._monitor is None:
-            return
-        measurement = self._monitor.stop()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if measurement is None or trainer is None or not self.is_global_zero:
-            return
-        every = max(int(getattr(trainer, "log_every_n_steps", 1)), 1)
-        if (trainer.global_step + 1) % every == 0 or measurement.step < 3:
-            metrics: dict[str, float] = {"osdp/step_time_s": measurement.seconds}
-            if measurement.peak_memory_bytes is not None:
-                metrics["osdp/peak_memory_bytes"] = float(measurement.peak_memory_bytes)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-        if measurement.step + 1 == _CHECK_AFTER_STEPS:
-            self._check_prediction(trainer)
-
-    def _check_prediction(self, trainer: pl.Trainer) -> None:
-        """Once, on rank 0, after the first steps: the plan's predicted peak memory and step time against the measured
-        ones (logged and printed; a large miss is a warning naming what the prediction was made of). A measured peak
-        over the memory budget is a warning with both figures, and the miss is recorded in the profile as a
-        correction (``ModelProfile.measured_peak_correction``, which the cost model holds all step): in the profile
-        file this run saved beside its plan, and in the checkpoints it saves from now on, so that a run resuming
-        from one plans with it (see ``docs/how-it-works.md``)."""
-        if self._profile is None or self._plan is None or self._monitor is None:
-            return  # a plan given by hand has no prediction to check
-        from lightning_osdp.cost_model import predict
-
-        prediction = predict(self._profile, self._plan, self.topology)
-        measured = self._monitor.peak_memory_bytes
-        self._prediction_check = check = prediction.check(measured, self._monitor.step_time(skip=1))
-        if measured is not None and self._memory_budget is not None and measured > self._memory_budget:
-            self._record_correction(measured, prediction)
-        for logger in trainer.loggers:
-            logger.log_metrics(
-                {
-                    "osdp/predicted_peak_memory_bytes": float(prediction.peak_bytes),
-                    "osdp/predicted_step_time_s": prediction.step_seconds,
-                },
-                step=trainer.global_step,
-            )
-        if check.ok:
-            rank_zero_info(f"OSDP: prediction held on rank 0: {check.message}")
-        else:
-            rank_zero_warn(f"OSDP: the cost model missed on rank 0: {check.message}")
-
-    def _record_correction(self, measured: int, prediction: Prediction) -> None:
-        """Warn that rank 0's measured peak is over the budget, and record the miss in the profile (rank 0's, which
-        checkpoints save)."""
-        assert self._profile is not None and self._memory_budget is not None
-        predicted = prediction.peak_bytes
-        self._profile = self._profile.with_correction(prediction.missed_bytes(measured))
-        where = ["the checkpoints this run saves from now on"]
-        if self._profile_file is not None:
-            self._profile.save(self._profile_file)
-            where.insert(0, str(self._profile_file))
-        rank_zero_warn(
-            f"OSDP: the measured peak memory {format_bytes(measured)} ({measured} bytes) on rank 0 is over the memory "
-            f"budget of {format_bytes(self._memory_budget)} ({self._memory_budget} bytes); the plan was predicted at "
-            f"{format_bytes(predicted)} ({predicted} bytes). The profile now carries a correction of "
-            f"{format_bytes(self._profile.measured_peak_correction)}, recorded in {' and in '.join(where)}: a run that "
-            "resumes from one of them plans with it. To stay under the budget now, restart with a larger "
-            "memory_headroom or a smaller memory_budget."
-        )
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self._monitor is not None:
-            self._monitor.abort()
-
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -796,7 +682,7 @@ class OSDPStrategy(ParallelStrategy):
         return osdp_checkpoint.CheckpointContext(
             world_size=self.world_size,
             plan=self._plan,
-            profile=self._profile,
+            profile=self.profile,
             memory_budget=self._requested_budget,
         )
 
@@ -889,18 +775,6 @@ class OSDPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-def _planned_for(plan: Plan, world_size: int) -> Topology | None:
-    """The topology a saved plan was solved for, with its shard group size spelled out (``None``: unreadable). The
-    solver records it unless it was one node of one shard group; a plan reused on resume was made for this
-    ``world_size``."""
-    saved = plan.info.get("topology")
-    try:
-        topology = Topology.from_dict(saved) if isinstance(saved, dict) else Topology.flat(world_size)
-    except (KeyError, TypeError, ValueError):
-        return None
-    return Topology(topology.nodes, topology.ranks_per_node, topology.shard_size)
 
 
 def _distributed_is_initialized() -> bool:

@@ -506,10 +506,10 @@ def test_a_network_joins_nodes_of_a_one_machine_entry_or_a_one_node_profile(tmp_
 
 
 def test_a_resumed_run_plans_again_when_the_checkpoint_plan_was_made_for_other_nodes() -> None:
-    from lightning_osdp.strategy import _planned_for
+    from lightning_osdp.solver.resolve import planned_for
 
     solved = Plan({"": "no_shard"}, info={"topology": {"nodes": 2, "ranks_per_node": 2}})
-    assert _planned_for(solved, 4) == Topology(2, 2, 2)
+    assert planned_for(solved, 4) == Topology(2, 2, 2)
     # A plan without a topology was made for one node (the only kind there was): a 2-node run plans again.
-    assert _planned_for(Plan({"": "no_shard"}), 4) == Topology(1, 4, 4) != Topology(2, 2, 2)
-    assert _planned_for(Plan({"": "no_shard"}, info={"topology": {"nodes": "x"}}), 4) is None
+    assert planned_for(Plan({"": "no_shard"}), 4) == Topology(1, 4, 4) != Topology(2, 2, 2)
+    assert planned_for(Plan({"": "no_shard"}, info={"topology": {"nodes": "x"}}), 4) is None
