@@ -79,6 +79,7 @@ __all__ = [
     "fit_ckpt_path",
     "fit_train_dataloader",
     "init_dist_connection",
+    "module_apply",
     "optimizers_to_device",
     "preserve_version_counter",
     "set_num_threads_if_needed",
@@ -152,6 +153,17 @@ def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Any:
     written are the ones autograd saw.
     """
     return torch.autograd._unsafe_preserve_version_counter(tensors)
+
+
+def module_apply(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """``fn`` applied to every parameter and buffer of ``module``, parameters kept as the same objects.
+
+    ``torch.nn.Module._apply`` (2.9-2.13): what ``to``, ``to_empty`` and ``cuda`` are made of; DTensor parameters
+    (FSDP2's shards) are swapped in place (``torch.utils.swap_tensors``), so FSDP2 keeps its references. No public
+    method moves only the meta tensors of a module (``to_empty`` would also empty the real buffers OSDP keeps, see
+    ``apply/materialize.py``).
+    """
+    return module._apply(fn)
 
 
 def fake_tensor_mode() -> FakeTensorMode:

@@ -45,6 +45,7 @@ from lightning_osdp._compat import (
     sync_ddp_if_available,
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan, no_gradient_sync
+from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
 from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.distributed import from_rank_zero
@@ -446,7 +447,9 @@ class OSDPStrategy(ParallelStrategy):
                 self._memory_budget = device_memory_capacity(self.root_device, self.num_processes)
             # Cast before sharding so that FSDP2 shards parameters of their final dtype (bf16-true).
             self.model = self.precision_plugin.convert_module(self.model)
-            self.model.to(self.root_device)
+            # A model built on meta is materialized by the executor once sharded; one built for real moves whole, as
+            # under Lightning's DDP (see docs/large-models.md).
+            self.model_to_device()
             resolution = self._resolve_plan(trainer)
             plan, self._profile = resolution.plan, resolution.profile
             self._root = apply_plan(
@@ -460,6 +463,7 @@ class OSDPStrategy(ParallelStrategy):
                     if self._find_unused_parameters is None
                     else self._find_unused_parameters
                 ),
+                device=self.root_device,
             )
             # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
             object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
@@ -625,7 +629,22 @@ class OSDPStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if not has_meta_tensors(self.model):  # a meta model materializes after sharding, as its plan keeps it
+            self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)``: parameters on the meta device, materialized after the plan is
+        applied (each rank allocates only what its plan keeps; buffers stay real, see
+        ``lightning_osdp/apply/materialize.py``); otherwise tensors are made on the device, as by Lightning's
+        strategies."""
+        if empty_init:
+            with meta_parameters(), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            yield
 
     # ------------------------------------------------------------------ steps
     @override

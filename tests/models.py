@@ -76,6 +76,10 @@ class TinyGPT(L.LightningModule):
         self.losses: list[float] = []
         self.seen: list[int] = []
 
+    def reset_parameters(self) -> None:
+        """The LightningModule's own parameter, for a model built on the meta device (its submodules have theirs)."""
+        nn.init.normal_(self.pos, std=0.02)
+
     def forward(self, idx: Tensor) -> Tensor:
         x = self.wte(idx) + self.pos[: idx.shape[1]]
         x = x + 0.1 * self.frozen(x)

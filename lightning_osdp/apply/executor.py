@@ -42,6 +42,7 @@ still reduces the plain ``no_shard`` parameters over the world, and ignores the 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -55,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_osdp._compat import ddp_ignore_parameters
 from lightning_osdp.apply.buffers import BufferBroadcast
+from lightning_osdp.apply.materialize import has_meta_tensors, materialize
 from lightning_osdp.apply.recompute import recompute_modules
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.comm import ReleasingAllGather, reduce_scatter_comm, releases_all_gather_after_forward
@@ -155,6 +157,7 @@ def apply_plan(
     mp_policy: MixedPrecisionPolicy | None = None,
     hybrid_mesh: DeviceMesh | None = None,
     find_unused_parameters: bool = False,
+    device: torch.device | None = None,
 ) -> OSDPModule | ReplicatedModule:
     """Shard ``module`` in place as ``plan`` says and return the module to train: the FSDP2 root
     :class:`OSDPModule` around it, within a :class:`ReplicatedModule` (DDP) when some trainable parameters are
@@ -172,6 +175,8 @@ def apply_plan(
         find_unused_parameters: DDP's option of the same name for the replicated part: needed when a step's backward
             leaves some replicated parameters without a gradient (``toggle_optimizer`` in manual optimization, a
             branch not taken); FSDP2's units need nothing (a unit that got no gradient reduces nothing).
+        device: where a model with parameters on the meta device is materialized once sharded (each rank allocates
+            its shards, and replicated parameters whole: ``apply/materialize.py``); needed only for such a model.
     """
     if mesh.ndim != 1:
         raise ValueError(f"apply_plan expects a 1-D data-parallel mesh, got {mesh}")
@@ -188,6 +193,11 @@ def apply_plan(
                 f"mesh, got {hybrid_mesh}"
             )
     units = plan_units(module, plan)
+    meta = has_meta_tensors(module)
+    if meta and device is None:
+        raise ValueError(
+            "apply_plan(..., device=...) is needed for a model on the meta device: where to materialize it"
+        )
     if all(d.mode == "no_shard" for d in plan.decisions.values()) and not any(
         p.requires_grad for p in module.parameters()
     ):
@@ -203,6 +213,8 @@ def apply_plan(
     # Before FSDP2 and DDP: their hooks then sit around the checkpointed forward (see apply/recompute.py).
     recompute_modules(module, [name for name, d in plan.decisions.items() if d.recompute])
     if all(d.mode == "no_shard" for d in plan.decisions.values()):
+        if meta:
+            _materialize(module, device)
         return ReplicatedModule(module, plan, mesh, find_unused_parameters=find_unused_parameters)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
@@ -242,6 +254,8 @@ def apply_plan(
         # Its forward is the whole step: it ends with the root's, which frees the buffer anyway.
         shard(root.root_unit, [], root_mode, releases=False)
     shard(root, [], "shard_grad_op", releases=False)  # parameter-less: only the root hooks
+    if meta:
+        _materialize(module, device)
     if any(p.requires_grad for p in plain):
         # DDP broadcasts the buffers of the whole model.
         return ReplicatedModule(root, plan, mesh, find_unused_parameters=find_unused_parameters)
@@ -269,6 +283,19 @@ def no_gradient_sync(model: OSDPModule | ReplicatedModule) -> Generator[None, No
                 sharded.set_requires_gradient_sync(True)  # type: ignore[operator]
             if broadcast is not None:
                 broadcast.require_backward_grad_sync = True
+
+
+def _materialize(module: nn.Module, device: torch.device | None) -> None:
+    assert device is not None
+    uninitialized = materialize(module, device)
+    if uninitialized:
+        warnings.warn(
+            "OSDP: the model was built on the meta device and these modules have parameters or buffers but no "
+            f"reset_parameters() to initialize them: {', '.join(uninitialized)}. Their memory is uninitialized: define "
+            "reset_parameters() on them, init_weights() on the model, or load pretrained weights "
+            "(OSDPStrategy(pretrained=...)); see docs/large-models.md",
+            stacklevel=3,
+        )
 
 
 def _bottom_up(units: Sequence[CommunicationUnit]) -> list[CommunicationUnit]:
