@@ -158,12 +158,19 @@ def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Any:
 def module_apply(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:
     """``fn`` applied to every parameter and buffer of ``module``, parameters kept as the same objects.
 
-    ``torch.nn.Module._apply`` (2.9-2.13): what ``to``, ``to_empty`` and ``cuda`` are made of; DTensor parameters
-    (FSDP2's shards) are swapped in place (``torch.utils.swap_tensors``), so FSDP2 keeps its references. No public
+    ``torch.nn.Module._apply`` (2.9-2.13): what ``to``, ``to_empty`` and ``cuda`` are made of. It is run with
+    ``torch.__future__``'s swap of module parameters on conversion, so that every parameter keeps its identity
+    (``torch.utils.swap_tensors``): otherwise a meta parameter moved to a device becomes a new ``Parameter`` per
+    holding module, which unties tied weights and leaves FSDP2, DDP and optimizers holding the old objects. No public
     method moves only the meta tensors of a module (``to_empty`` would also empty the real buffers OSDP keeps, see
     ``apply/materialize.py``).
     """
-    return module._apply(fn)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return module._apply(fn)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def fake_tensor_mode() -> FakeTensorMode:

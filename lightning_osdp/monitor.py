@@ -10,8 +10,9 @@ the plan, and in the checkpoints saved from then on, so that a run resuming from
 [Note: where the correction is kept]
 The correction lives in the profile, not in the callback's ``state_dict``: a resumed run decides its plan in the
 strategy's ``setup``, and Lightning restores callback states after ``setup`` (the strategy restores checkpoints after
-it applied the plan), too late for the decision. The callback's own state (its measurements) is saved and restored
-as Lightning saves any callback's, so that ``peak_memory_bytes`` of a resumed run covers the steps before it.
+it applied the plan), too late for the decision. The callback's own state is its measurements and the plan they were
+made under, saved and restored as Lightning saves any callback's; a resumed run keeps them apart
+(:attr:`OSDPMonitor.history`): its own figures and its prediction check are of its own steps, under its own plan.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class OSDPMonitor(Callback):
         self.memory_budget = memory_budget
         self.profile_file = profile_file
         self.prediction_check: PredictionCheck | None = None
+        #: What the run this one resumed measured: its plan's dict and its steps (empty when not resumed).
+        self.history: list[dict[str, Any]] = []
         self._step_started_at: int | None = None  # the trainer's global step when the running step began
 
     # ------------------------------------------------------------------ figures
@@ -153,11 +156,12 @@ class OSDPMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"measurements": [asdict(m) for m in self.steps.measurements]}
+        run = {"plan": self.plan.to_dict(), "measurements": [asdict(m) for m in self.steps.measurements]}
+        return {"history": [*self.history, run]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.steps.measurements = [StepMeasurement(**m) for m in state_dict.get("measurements", [])]
+        self.history = list(state_dict.get("history", []))
 
     # ------------------------------------------------------------------ internals
     def _log(self, trainer: pl.Trainer, measurement: StepMeasurement) -> None:

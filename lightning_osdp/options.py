@@ -260,6 +260,27 @@ def check_state_dict_type(value: Any) -> StateDictType:
     return cast(StateDictType, value)
 
 
+def check_pretrained(value: Any) -> Path | None:
+    """``None`` or the path of pretrained weights that exists: a file, or a folder of ``.safetensors`` files."""
+    if value is None:
+        return None
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)) or str(value) == "":
+        raise TypeError(f"OSDPStrategy(pretrained=...) takes the path of a checkpoint file or folder, got {value!r}")
+    path = Path(value)
+    if not path.exists():
+        raise ValueError(f"OSDPStrategy(pretrained=...): {str(value)!r} does not exist")
+    if path.is_dir() and not any(path.glob("*.safetensors")):
+        raise ValueError(f"OSDPStrategy(pretrained=...): the folder {str(value)!r} holds no .safetensors files")
+    return path
+
+
+def check_pretrained_prefix(value: Any) -> str | None:
+    """``None`` or a string (``""`` included: the checkpoint's keys as they are)."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"OSDPStrategy(pretrained_prefix=...) takes a string, got {value!r}")
+    return value
+
+
 def check_find_unused_parameters(value: Any) -> bool | None:
     """``None``, ``True`` or ``False``."""
     if value is not None and not isinstance(value, bool):

@@ -150,6 +150,12 @@ class OSDPStrategy(ParallelStrategy):
             for the replicated units: needed when a backward leaves some of their parameters without a gradient, as
             ``toggle_optimizer`` does in manual optimization with several optimizers; the sharded units need nothing.
             ``None`` (default): ``True`` for a LightningModule with ``automatic_optimization = False``, else ``False``.
+        pretrained: a full checkpoint to start from, read into the shards once the plan is applied, each rank reading
+            only what its plan keeps: a ``torch.save`` state dict, a Lightning ``.ckpt`` (``osdp consolidate``'s
+            output), a ``.safetensors`` file or a Hugging Face folder of them (``docs/large-models.md``). Not read when
+            the run resumes from a checkpoint (``fit(ckpt_path=...)``), which holds the trained weights.
+        pretrained_prefix: the prefix of the model's names the checkpoint's keys are read under (``"model."`` for the
+            weights of ``self.model``); ``None`` finds it.
 
     Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
     wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
@@ -181,6 +187,8 @@ class OSDPStrategy(ParallelStrategy):
         mixed_precision: str | MixedPrecisionPolicy | None = None,
         shard_group_size: int | None = None,
         find_unused_parameters: bool | None = None,
+        pretrained: str | os.PathLike[str] | None = None,
+        pretrained_prefix: str | None = None,
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
@@ -218,6 +226,8 @@ class OSDPStrategy(ParallelStrategy):
         self._memory_steps = options.check_memory_steps(memory_steps)
         self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
         self._find_unused_parameters = options.check_find_unused_parameters(find_unused_parameters)
+        self._pretrained = options.check_pretrained(pretrained)
+        self._pretrained_prefix = options.check_pretrained_prefix(pretrained_prefix)
         self._monitor: OSDPMonitor | None = None
         self._root: OSDPModule | ReplicatedModule | None = None
         self.num_nodes = 1
@@ -465,6 +475,14 @@ class OSDPStrategy(ParallelStrategy):
                 ),
                 device=self.root_device,
             )
+            if self._pretrained is not None and fit_ckpt_path(trainer) is None:
+                loaded = osdp_checkpoint.load_pretrained(
+                    module,
+                    self._pretrained,
+                    prefix=self._pretrained_prefix,
+                    strict=bool(getattr(module, "strict_loading", True)),
+                )
+                rank_zero_info(f"OSDP: {loaded.describe()}")
             # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
             object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
             self.model = self._root
@@ -555,8 +573,8 @@ class OSDPStrategy(ParallelStrategy):
             "step": step,
             "batch_source": source,
             "step_context": self.precision_plugin.train_step_context,
-            # The ranks of this machine share its memory: measure the model in place only if a copy fits its share.
-            "available_memory": device_memory_capacity(self.root_device, self.num_processes),
+            # A copy of the model is measured only if its step fits the budget beside the model (else block by block).
+            "available_memory": self._memory_budget,
             "node_groups": self._node_groups(),
         }
         if self._mp_policy is not None:
@@ -612,7 +630,10 @@ class OSDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             loader = fit_train_dataloader(trainer)
             if loader is not None:
-                batch = next(iter(loader))
+                # A loader's iterator draws its base seed from the global RNG: forked, so that the run's stream (the
+                # dropout masks, a meta model's initialization) is the one it would be without profiling.
+                with torch.random.fork_rng(devices=[]):
+                    batch = next(iter(loader))
                 return self.batch_to_device(batch), "first batch of the train dataloader", "training_step"
         if module.example_input_array is not None:
             return self.batch_to_device(module.example_input_array), "example_input_array", "forward"

@@ -270,7 +270,7 @@ def test_estimated_mode_on_the_meta_device_counts_the_same_bytes_as_measured() -
     measured = profile(TinyGPT(), batch)
     with torch.device("meta"):
         meta_model = TinyGPT()
-    estimated = profile(meta_model, batch)
+    estimated = profile(meta_model, batch, mode="estimated")
     assert (measured.mode, estimated.mode) == ("measured", "estimated")
     for name, m in measured.modules.items():
         e = estimated.modules[name]
@@ -333,23 +333,21 @@ def test_estimated_mode_runs_a_step_that_updates_torchmetrics() -> None:
     measured = profile(WithTrainingMetric(), batch)
     with torch.device("meta"):
         meta_model = WithTrainingMetric()
-    estimated = profile(meta_model, batch)
+    estimated = profile(meta_model, batch, mode="estimated")
     for name, m in measured.modules.items():
         assert m.activation_bytes == estimated.modules[name].activation_bytes, name
     # Inert on fake tensors: one zero scalar, against a real update of the metric's state when measured.
     assert estimated.modules["val_acc"].fwd_seconds < measured.modules["val_acc"].fwd_seconds
 
 
-def test_auto_mode_estimates_what_does_not_fit_and_measures_what_does() -> None:
+def test_auto_mode_measures_a_copy_whose_step_fits_beside_the_model_and_times_blocks_otherwise() -> None:
     model, batch = HandCounted(), torch.tensor([[1, 2, 3]])
     assert profile(model, batch, available_memory=10**9).mode == "measured"
-    # 268 parameter bytes + 220 gradient bytes, no optimizer: 488 bytes needed, more than half of 800.
-    assert profile(model, batch, available_memory=800).mode == "estimated"
-    with torch.device("meta"):
-        meta_model = HandCounted()
-    assert profile(meta_model, batch).mode == "estimated"
-    with pytest.raises(ProfilingError, match="meta device"):
-        profile(meta_model, batch, mode="measured")
+    # The model's 268 bytes (and buffer) stay alive beside the copy, whose step needs more than 800 bytes.
+    assert profile(model, batch, available_memory=800).mode == "blocks"
+    # Another device's rates: a dry run, estimated.
+    rates = DeviceRates("cuda", "float32", 1e-5, 1e12, 1e-5, 1e11)
+    assert profile(model, batch, rates=rates).mode == "estimated"
 
 
 class BigAndSmall(nn.Module):
@@ -546,3 +544,56 @@ def test_compiled_modules_compile_after_the_steps_measured_under_the_live_storag
     assert not counters["frames"], "profiling compiled a frame"
     fresh(x)
     assert counters["frames"]["ok"] >= 1
+
+
+def test_auto_mode_measures_a_copy_only_when_its_step_fits_the_memory_given_and_times_blocks_otherwise() -> None:
+    # A model on the meta device too: its measured copy is materialized with random values.
+    batch = tiny_gpt_batch()
+    with torch.device("meta"):
+        meta_model = TinyGPT()
+    ample = profile(meta_model, batch, available_memory=1 << 30)
+    assert ample.mode == "measured" and "fits in" in ample.info["mode"]
+    tight = profile(meta_model, batch, available_memory=100_000)  # less than the model's step
+    assert tight.mode == "blocks" and "does not fit" in tight.info["mode"]
+    # Bytes from the fake-tensor trace: the measured copy's, figure for figure.
+    for name, m in ample.modules.items():
+        b = tight.modules[name]
+        assert {f: getattr(m, f) for f in BYTE_FIELDS} == {f: getattr(b, f) for f in BYTE_FIELDS}, name
+    assert tight.loss == ample.loss and tight.extra_activation_bytes == ample.extra_activation_bytes
+    # One representative of the three identical blocks was timed on the device, and the others share its times.
+    assert tight.info["blocks"] == {"timed": {"h.0": 3}, "skipped": {}}
+    for block in ("h.1", "h.2"):
+        for inner in ("", ".attn", ".fc", ".proj", ".ln_1"):
+            assert tight.modules[block + inner].fwd_seconds == tight.modules["h.0" + inner].fwd_seconds > 0
+            assert tight.modules[block + inner].bwd_seconds == tight.modules["h.0" + inner].bwd_seconds > 0
+    assert all(p.is_meta for p in meta_model.parameters())
+
+
+def test_a_block_whose_arguments_cannot_be_rebuilt_keeps_its_estimated_times() -> None:
+    class Cache:
+        pass
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: Tensor, cache: Cache) -> Tensor:
+            return self.lin(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: Tensor) -> Tensor:
+            cache = Cache()
+            for block in self.blocks:
+                x = block(x, cache)
+            return x
+
+    result = profile(Net(), torch.randn(4, 8), mode="blocks")
+    assert result.info["blocks"]["timed"] == {}
+    assert set(result.info["blocks"]["skipped"]) == {"blocks.0", "blocks.1"}
+    assert "Cache cannot be rebuilt" in result.info["blocks"]["skipped"]["blocks.0"]
+    assert result.modules["blocks.0.lin"].fwd_seconds > 0  # from its FLOPs

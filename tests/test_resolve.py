@@ -169,11 +169,18 @@ def test_a_measured_peak_over_the_budget_is_recorded_as_a_correction_in_the_prof
     assert saved.measured_peak_correction == 5000
 
 
-def test_the_monitor_keeps_its_measurements_in_lightnings_callback_state(tmp_path: Path) -> None:
+def test_the_monitor_keeps_its_measurements_in_lightnings_callback_state_apart_from_the_resumed_runs(
+    tmp_path: Path,
+) -> None:
     monitor = _monitor(tmp_path, BUDGET, [10, 20, 30])
     again = _monitor(tmp_path, BUDGET, [])
     again.load_state_dict(monitor.state_dict())
-    assert again.steps.measurements == monitor.steps.measurements and again.peak_memory_bytes == 30
+    # The resumed run's own figures are its own steps' (it may run another plan); the earlier run's are its history.
+    assert again.peak_memory_bytes is None and again.steps.measurements == []
+    (earlier,) = again.history
+    assert [m["peak_memory_bytes"] for m in earlier["measurements"]] == [10, 20, 30]
+    assert earlier["plan"] == monitor.plan.to_dict()
+    assert len(again.state_dict()["history"]) == 2
 
 
 def test_a_plan_given_by_hand_has_no_prediction_to_check(tmp_path: Path) -> None:

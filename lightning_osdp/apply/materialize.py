@@ -12,7 +12,9 @@ parameters are replaced by full-size plain tensors, and afterwards each rank kee
 numbers drawn are exactly those of the unsharded model's materialization under the same seed, on every device,
 plan and world size, at the cost of one module's own parameters at full size at a time (at most the largest
 module of a unit, which the step gathers whole anyway). A split Linear initializes as the Linear it replaces (one
-full-size Linear, cut into its slices), not as ``k`` smaller ones.
+full-size Linear, cut into its slices), not as ``k`` smaller ones. A tied parameter keeps the initialization of its
+first holder in ``modules()`` order (the embedding of an embedding tied to an LM head), as the eager model, which ties
+the head's weight to the embedding's after both were built, does; Lightning's ``to_empty`` unties it instead.
 
 The guarantee is the one Lightning states for its own materialization: modules initialize through
 ``reset_parameters()``. A module without one keeps uninitialized memory (a warning names their types); a buffer a
@@ -143,6 +145,7 @@ def materialize(module: nn.Module, device: torch.device) -> list[str]:
     }
     module_apply(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     inside_splits = {id(m) for split in module.modules() if isinstance(split, SplitLinear) for m in split.slices}
+    initialized: set[int] = set()  # parameters a module's reset_parameters() already drew (tied ones: once)
     uninitialized: list[str] = []
     for submodule in module.modules():
         if id(submodule) in inside_splits:
@@ -157,9 +160,21 @@ def materialize(module: nn.Module, device: torch.device) -> list[str]:
         if reset is None and type(submodule).__module__.startswith("torch.nn."):
             # torch's own MultiheadAttention and Transformer spell it with an underscore.
             reset = getattr(submodule, "_reset_parameters", None)
+        own = dict(submodule.named_parameters(recurse=False))
+        tied = {n: p for n, p in own.items() if id(p) in initialized}
         if callable(reset):
+            if own and len(tied) == len(own) and not list(submodule.buffers(recurse=False)):
+                continue  # all its parameters are tied to ones already initialized (an LM head, say)
+            kept = {n: p.detach().clone() for n, p in tied.items()}
             with _at_full_size(submodule):
                 reset()
+            with torch.no_grad():
+                for n, value in kept.items():  # a tied parameter keeps the first holder's initialization
+                    target = own[n]
+                    (target.to_local() if isinstance(target, DTensor) else target).copy_(
+                        value.to_local() if isinstance(value, DTensor) else value
+                    )
+            initialized.update(id(p) for p in own.values())
         elif type(submodule).__name__ not in uninitialized:
             uninitialized.append(type(submodule).__name__)
     init_weights = getattr(module, "init_weights", None)

@@ -36,6 +36,7 @@ from lightning_osdp.checkpoint.full import (
     save_full_checkpoint,
 )
 from lightning_osdp.checkpoint.layout import Manifest, is_sharded_checkpoint, read_manifest, remove_checkpoint
+from lightning_osdp.checkpoint.pretrained import PretrainedLoad, load_pretrained
 from lightning_osdp.checkpoint.resume import PlanChoice, SavedPlan, resume_plan, saved_plan
 from lightning_osdp.checkpoint.sharded import (
     ShardedState,
@@ -56,6 +57,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "Manifest",
     "PlanChoice",
+    "PretrainedLoad",
     "SavedPlan",
     "ShardedState",
     "SliceMap",
@@ -71,6 +73,7 @@ __all__ = [
     "load_full_optimizer_state",
     "load_model_state",
     "load_optimizer_states",
+    "load_pretrained",
     "load_sharded_model_state",
     "load_sharded_optimizer_state",
     "open_sharded_checkpoint",

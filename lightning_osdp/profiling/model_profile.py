@@ -166,7 +166,8 @@ class ModelProfile:
             at once (empty on one node). The cost model prices every group of a topology from the two levels
             (``lightning_osdp/cost_model/network.py``).
         device: ``"cpu"`` or ``"cuda"`` (and the device name, when known).
-        mode: ``"measured"`` (the model ran on the device) or ``"estimated"`` (meta tensors, FLOP-based times).
+        mode: ``"measured"`` (a copy of the model ran on the device), ``"estimated"`` (fake tensors, FLOP-based
+            times) or ``"blocks"`` (fake tensors for the bytes, each distinct block timed on the device).
         optimizer: the optimizer's class name, and ``optim_state_factor``: state bytes per trainable
             parameter byte it keeps (Adam/AdamW 2, SGD with momentum 1, plain SGD 0).
         tied: groups of module names that hold one shared parameter.

@@ -1,12 +1,12 @@
 """``profile``: stage 1 of the pipeline, a :class:`ModelProfile` of the user's model on this device.
 
 [Note: measured and estimated]
-*Measured* (the model fits): a copy of the model runs real steps on the device. One traced step records
-activations, FLOPs, gradients and optimizer state and warms up (it allocates the optimizer state); then
-``repeats`` hooked steps (own times per module) alternate with ``repeats`` plain steps (the whole step's time,
-and the optimizer step's); per-module times are medians over the hooked steps.
+*Measured* (the model's step fits): a copy of the model runs real steps on the device (a model on the meta device is
+copied with random values). One traced step records activations, FLOPs, gradients and optimizer state and warms up
+(it allocates the optimizer state); then ``repeats`` hooked steps (own times per module) alternate with ``repeats``
+plain steps (the whole step's time, and the optimizer step's); per-module times are medians over the hooked steps.
 
-*Estimated* (the model does not fit, or is on the meta device): a copy whose parameters are fake tensors
+*Estimated* (a dry run, or asked for): a copy whose parameters are fake tensors
 (``FakeTensorMode``: shapes, dtypes and devices, no memory) runs one traced step, backward and optimizer step
 included. Bytes come out exactly as in the measured mode (same operators, same saved tensors); times are the
 operators' FLOPs and bytes converted by rates benchmarked on the device (``rates``), or by the rates the caller
@@ -14,8 +14,13 @@ gives (another device's, for a dry run). ``.item()`` in the user's step yields a
 code runs; control flow that depends on tensor values cannot run on fake tensors and is reported as a
 :class:`ProfilingError`.
 
-``mode="auto"`` measures when a copy of the parameters with their gradients and optimizer state takes at most
-half the memory available on the device now, and estimates otherwise (always for a model on the meta device).
+*Blocks* (the model's step does not fit): the estimated mode's fake-tensor trace for the bytes, and times measured
+on the device one distinct block at a time (``blocks.py`` [Note: a profile that fits]).
+
+``mode="auto"`` runs the fake-tensor trace first: it gives the peak of a copy's step exactly (a measured step runs
+the same operators). When that peak, beside what the model itself holds on the device, fits ``available_memory``
+(the strategy passes its memory budget), the copy is measured; otherwise the profile is *blocks*. With the rates of
+another device (a dry run), ``"auto"`` is *estimated*.
 
 [Note: the representative batch]
 The caller gives the batch; its shapes decide activation sizes and times, so it must be a full-size batch of the
@@ -44,6 +49,7 @@ from lightning_osdp._compat import fake_tensor_mode, tree_leaves, tree_map
 from lightning_osdp.budget import device_memory_capacity
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.memory import memory_meter
+from lightning_osdp.profiling.blocks import measure_blocks
 from lightning_osdp.profiling.collectives import (
     DEFAULT_SIZES,
     NodeGroups,
@@ -59,7 +65,6 @@ from lightning_osdp.profiling.optimizer_state import (
     OptimizerState,
     configured_optimization,
     rebuild_optimizers,
-    state_copies,
     state_from_instance,
     state_from_proxy,
     state_from_rule,
@@ -74,10 +79,7 @@ from lightning_osdp.profiling.tracer import ModuleTracer, OpTally, StepRecord
 __all__ = ["MODES", "profile"]
 
 #: Accepted values of ``profile(mode=...)``.
-MODES = ("auto", "measured", "estimated")
-
-# The share of the device's available memory a measured profile may take (see [Note: measured and estimated]).
-_MEASURED_SHARE = 0.5
+MODES = ("auto", "measured", "estimated", "blocks")
 
 
 def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -98,22 +100,25 @@ def _available_memory(device: torch.device) -> int:
     return device_memory_capacity(device)
 
 
-def _choose_mode(
-    mode: str, module: nn.Module, on_meta: bool, device: torch.device, copies: float, available: int | None
-) -> str:
+def _choose_mode(mode: str, rates: DeviceRates | None) -> str:
+    """The mode asked for, or ``"auto"`` still to decide after the traced step (see [Note: measured and
+    estimated])."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    if on_meta:
-        if mode == "measured":
-            raise ProfilingError(f"{type(module).__name__} is on the meta device: it can only be estimated")
-        return "estimated"
-    if mode != "auto":
-        return mode
-    params = sum(p.numel() * p.element_size() for p in _unique_parameters(module))
-    trainable = sum(p.numel() * p.element_size() for p in _unique_parameters(module) if p.requires_grad)
-    needed = params + trainable * (1.0 + copies)
-    limit = _available_memory(device) if available is None else available
-    return "measured" if needed <= _MEASURED_SHARE * limit else "estimated"
+    if mode == "auto" and rates is not None:
+        return "estimated"  # another device's rates: a dry run
+    return mode
+
+
+def _live_bytes(module: nn.Module, device: torch.device) -> int:
+    """Bytes ``module`` holds on ``device`` now (parameters, gradients, buffers): what is alive beside a profiled
+    copy."""
+    storages: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        for u in (t, t.grad):
+            if isinstance(u, Tensor) and not u.is_meta and u.device == device:
+                storages[u.untyped_storage().data_ptr()] = u.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _floating_dtype(module: nn.Module) -> torch.dtype:
@@ -152,6 +157,7 @@ class _Session:
         self._counting = False
         self._counted: list[Optimizer] = []
         self._optimizer_seconds = 0.0
+        self.peak_bytes = 0  # the traced step's largest live bytes
 
     def _backward(self, loss: Tensor, tracer: ModuleTracer | None, *args: Any, **kwargs: Any) -> None:
         if not loss.requires_grad:
@@ -249,7 +255,7 @@ class _Session:
             with self.tracer.iteration(memory=True, ops=True, excluded=excluded, region=region) as record:
                 self._run_step(self.tracer, counting=True)
         finally:
-            meter.stop()
+            self.peak_bytes = meter.stop()
         self.loss_memory = region.result()
         return record
 
@@ -415,10 +421,7 @@ class _Request:
     rates: DeviceRates | None
     copy_bytes_per_second: float | None
     batch_source: str
-
-    @property
-    def estimated(self) -> bool:
-        return self.mode == "estimated"
+    available_memory: int | None
 
 
 def _request(
@@ -448,7 +451,6 @@ def _request(
     schedulers: list[Any] = []
     if spec is None and is_lightning_module(module):
         spec, schedulers = configured_optimization(module)
-    instances = [o for o in (spec if isinstance(spec, (list, tuple)) else [spec]) if isinstance(o, Optimizer)]
     return _Request(
         module=module,
         name=name,
@@ -457,18 +459,19 @@ def _request(
         param_names={id(p): n for n, p in module.named_parameters(remove_duplicate=False)},
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         schedulers=schedulers,
-        mode=_choose_mode(mode, module, on_meta, target, state_copies(instances), available_memory),
+        mode=_choose_mode(mode, passed.get("rates")),
+        available_memory=available_memory,
         repeats=repeats,
         copy_bytes_per_second=copy_bytes_per_second,
         **passed,
     )
 
 
-def _replica(stack: ExitStack, request: _Request) -> tuple[nn.Module, Any]:
-    """The work copy of the model and the batch on the target device (fake tensors in estimated mode, whose mode is
+def _replica(stack: ExitStack, request: _Request, fake: bool) -> tuple[nn.Module, Any]:
+    """The work copy of the model and the batch on the target device (fake tensors when ``fake``, whose mode is
     entered on ``stack``)."""
     target = request.target
-    if not request.estimated:
+    if not fake:
         work = stack.enter_context(measured_replica(request.module, target))
         return work, tree_map(lambda t: t.to(target) if isinstance(t, Tensor) else t, request.example_batch)
     fake_mode = fake_tensor_mode()
@@ -488,7 +491,7 @@ def _traced(session: _Session, request: _Request) -> StepRecord:
     except ProfilingError:
         raise
     except Exception as error:
-        if not request.estimated:
+        if not session.estimated:
             raise
         raise ProfilingError(
             f"{request.name} cannot be estimated on fake tensors ({type(error).__name__}: {error}); its step depends "
@@ -536,14 +539,25 @@ def _recompute_forward_bytes(session: _Session) -> dict[str, int]:
     return added
 
 
-def _profile_locally(request: _Request) -> ModelProfile:
-    """This rank's profile of the model, without collectives (see [Note: measured and estimated])."""
-    target, estimated, name = request.target, request.estimated, request.name
+@dataclass
+class _Traced:
+    """A traced step: the profile (its times zero unless it was measured), what the trace recorded, the session it
+    ran in, and the largest live bytes of the step."""
+
+    profile: ModelProfile
+    record: StepRecord
+    session: _Session
+    peak_bytes: int
+
+
+def _trace(request: _Request, *, fake: bool) -> _Traced:
+    """The traced step on a copy of the model (fake tensors when ``fake``); when not ``fake``, timed steps too."""
+    target, name = request.target, request.name
     info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": request.repeats}
     rng_devices = (
         [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
     )
-    rates, copy_rate = request.rates, request.copy_bytes_per_second
+    copy_rate = request.copy_bytes_per_second
     with ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=rng_devices))
         # The traced steps run under dispatch modes, where dynamo would mark the user's compiled modules to be
@@ -551,19 +565,17 @@ def _profile_locally(request: _Request) -> ModelProfile:
         # the profile measures their eager code.
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
-        if estimated and rates is None:
-            rates = measure_device_rates(target, _floating_dtype(request.module))
         if copy_rate is None:
             copy_rate = measure_copy_bandwidth(target, min(max(request.param_bytes, 4 << 20), 64 << 20))
-        work, batch = _replica(stack, request)
+        work, batch = _replica(stack, request, fake)
         runner = StepRunner(
             work, batch, loss_fn=request.loss_fn, step_context=request.step_context, name=name, step=request.step
         )
         stack.enter_context(runner.quiet_logging())
-        if estimated:
+        if fake:
             stack.enter_context(runner.quiet_metrics())
         optimizers = rebuild_optimizers(request.spec, request.param_names, work, name)
-        session = _Session(work, runner, optimizers, target, estimated)
+        session = _Session(work, runner, optimizers, target, fake)
         if runner.manual:
             stack.enter_context(
                 runner.manual_optimization(
@@ -571,9 +583,8 @@ def _profile_locally(request: _Request) -> ModelProfile:
                 )
             )
         record = _traced(session, request)
-        if estimated:
-            assert rates is not None  # given or measured above
-            timing = _estimated_timing(session, record, rates, info)
+        if fake:
+            timing = _Timing({n: (0.0, 0.0) for n in record.modules}, 0.0, 0.0)
         else:
             timing = _measured_timing(session, record, request.repeats, info)
         modules = _module_profiles(work, record, session, timing.modules)
@@ -588,14 +599,14 @@ def _profile_locally(request: _Request) -> ModelProfile:
             warnings.warn(
                 f"{name}: {record.unsized_tensors} saved tensors or FLOP counts have value-dependent sizes that "
                 "estimated mode counts as 0; its activation bytes and times are lower bounds",
-                stacklevel=5,  # profile()'s caller, through from_rank_zero
+                stacklevel=6,  # profile()'s caller, through from_rank_zero
             )
     trainable_with_grad = sum(session.grad_bytes.values())
     device_name = str(target) + (f" ({torch.cuda.get_device_name(target)})" if target.type == "cuda" else "")
-    return ModelProfile(
+    result = ModelProfile(
         modules=modules,
         device=device_name,
-        mode=request.mode,
+        mode="estimated" if fake else "measured",
         optimizer="+".join(type(o).__name__ for o in optimizers),
         optim_state_factor=session.state.total_tensor_bytes / trainable_with_grad if trainable_with_grad else 0.0,
         tied=tied,
@@ -606,9 +617,56 @@ def _profile_locally(request: _Request) -> ModelProfile:
         optimizer_step_seconds=timing.optimizer,
         forward_order=record.forward_order,
         copy_bytes_per_second=copy_rate,
-        rates=rates if estimated else None,
         loss=session.loss_memory,
     )
+    return _Traced(result, record, session, session.peak_bytes)
+
+
+def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> ModelProfile:
+    """The traced profile timed by the rates (the request's, else measured on the device), and, with ``blocks``,
+    its blocks timed on the device one at a time (see ``blocks.py`` [Note: a profile that fits])."""
+    from lightning_osdp.plan import default_units
+
+    profile, info = traced.profile, traced.profile.info
+    rates = request.rates or measure_device_rates(request.target, _floating_dtype(request.module))
+    timing = _estimated_timing(traced.session, traced.record, rates, info)
+    if blocks:
+        measured = measure_blocks(
+            request.module,
+            default_units(request.module),
+            traced.record,
+            request.target,
+            repeats=request.repeats,
+            step_context=request.step_context,
+        )
+        timing.modules.update(measured.modules)
+        info["blocks"] = {"timed": {r: len(m) for r, m in measured.timed.items()}, "skipped": measured.skipped}
+        info["estimated_step_seconds"] = timing.overhead + sum(f + b for f, b in timing.modules.values())
+    for name, (fwd, bwd) in timing.modules.items():
+        profile.modules[name].fwd_seconds, profile.modules[name].bwd_seconds = fwd, bwd
+    profile.step_overhead_seconds, profile.optimizer_step_seconds = timing.overhead, timing.optimizer
+    profile.rates = rates
+    profile.mode = "blocks" if blocks else "estimated"
+    return profile
+
+
+def _profile_locally(request: _Request) -> ModelProfile:
+    """This rank's profile of the model, without collectives (see [Note: measured and estimated])."""
+    if request.mode == "measured":
+        return _trace(request, fake=False).profile
+    traced = _trace(request, fake=True)
+    if request.mode != "auto":
+        return _timed_from_rates(traced, request, blocks=request.mode == "blocks")
+    live = _live_bytes(request.module, request.target)
+    limit = _available_memory(request.target) if request.available_memory is None else request.available_memory
+    needed = live + traced.peak_bytes
+    if needed <= limit:
+        measured = _trace(request, fake=False).profile
+        measured.info["mode"] = f"auto: a copy's step ({needed} bytes with the model) fits in {limit}"
+        return measured
+    profile = _timed_from_rates(traced, request, blocks=True)
+    profile.info["mode"] = f"auto: a copy's step ({needed} bytes with the model) does not fit in {limit}"
+    return profile
 
 
 def profile(
@@ -657,10 +715,11 @@ def profile(
         node_groups: on several nodes, this rank's groups within its node and across nodes: the collectives are
             fitted on both levels (``benchmark_levels``) rather than on ``group``.
         repeats: timed steps (measured mode), after one traced warm-up step.
-        mode: ``"measured"``, ``"estimated"`` or ``"auto"`` (see [Note: measured and estimated]).
+        mode: ``"measured"``, ``"estimated"``, ``"blocks"`` or ``"auto"`` (see [Note: measured and estimated]).
         step_context: factory of the context the forward runs in (the precision plugin's ``forward_context``).
         batch_source: where the batch came from, recorded in ``ModelProfile.batch``.
-        available_memory: bytes ``"auto"`` may count on; default what the device has available now.
+        available_memory: bytes ``"auto"`` may count on (the memory budget); default what the device has available
+            now.
         collective_time_budget: seconds the collective benchmark may take (see ``benchmark_collectives``).
         rates: the rates estimated mode converts FLOPs and bytes into seconds with, recorded as
             ``ModelProfile.rates``; default benchmarked on ``device`` (``measure_device_rates``). Give another device's

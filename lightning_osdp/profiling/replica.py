@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["fake_replica", "measured_replica", "swap_tensors"]
+from lightning_osdp._compat import module_apply
+
+__all__ = ["fake_replica", "materialize_randomly", "measured_replica", "swap_tensors"]
 
 
 _SHARED = ("_trainer", "_fabric")
@@ -86,9 +88,27 @@ def _warn_in_place(module: nn.Module, error: Exception) -> None:
     )
 
 
+def materialize_randomly(module: nn.Module, device: torch.device) -> None:
+    """Move ``module`` to ``device``, its meta tensors allocated there: floating-point parameters drawn from N(0, 0.02),
+    the others and buffers zeroed (a profile's times and bytes do not depend on the values; uninitialized memory could
+    hold denormals or NaNs, which slow some kernels down). Draws from the global RNG, which profiling forks."""
+    meta_params = {id(p) for p in module.parameters() if p.is_meta}
+    meta_buffers = {(id(m), k) for m in module.modules() for k, b in m._buffers.items() if b is not None and b.is_meta}
+    module_apply(module, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    with torch.no_grad():
+        for p in module.parameters():
+            if id(p) in meta_params:
+                p.normal_(0.0, 0.02) if p.is_floating_point() else p.zero_()
+        for m in module.modules():
+            for key, b in m._buffers.items():
+                if b is not None and (id(m), key) in meta_buffers:
+                    b.zero_()
+
+
 @contextmanager
 def measured_replica(module: nn.Module, device: torch.device | None) -> Iterator[nn.Module]:
-    """A real copy of ``module`` on ``device`` (see [Note: why a copy])."""
+    """A real copy of ``module`` on ``device`` (see [Note: why a copy]); a model on the meta device gets random
+    values (:func:`materialize_randomly`)."""
     try:
         replica = _copy(module, _shared_referents(module))
     except Exception as error:
@@ -96,7 +116,7 @@ def measured_replica(module: nn.Module, device: torch.device | None) -> Iterator
         replica = None
     if replica is not None:
         if device is not None:
-            replica.to(device)
+            materialize_randomly(replica, device)
         yield replica
         return
     saved = swap_tensors(module, lambda t: t.detach().clone())

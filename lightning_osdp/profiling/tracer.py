@@ -58,12 +58,20 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_osdp._compat import TorchDispatchMode, tree_leaves
+from lightning_osdp._compat import TorchDispatchMode, tree_leaves, tree_map
 
 if TYPE_CHECKING:
     from lightning_osdp.profiling.loss_region import LossRegionRecorder
 
-__all__ = ["ModuleRecord", "ModuleTracer", "OpTally", "StepRecord", "cpu_attention_flop_formulas", "storage_keys"]
+__all__ = [
+    "ModuleRecord",
+    "ModuleTracer",
+    "OpTally",
+    "StepRecord",
+    "TensorSpec",
+    "cpu_attention_flop_formulas",
+    "storage_keys",
+]
 
 aten = torch.ops.aten
 
@@ -168,6 +176,26 @@ class ModuleRecord:
     input_saved_bytes: int = 0
     fwd_ops: OpTally = field(default_factory=OpTally)
     bwd_ops: OpTally = field(default_factory=OpTally)
+    #: The arguments of the first call, tensors as :class:`TensorSpec` (recorded with ``memory``): what a block is
+    #: timed with on its own (``blocks.py``).
+    inputs: tuple[Any, Any] | None = None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument as a block's timing rebuilds it: shape (``-1`` for a size that depends on values), dtype,
+    whether it requires a gradient."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _spec(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        sizes = [_static(d) for d in value.shape]
+        return TensorSpec(tuple(-1 if d is None else d for d in sizes), value.dtype, value.requires_grad)
+    return value
 
 
 @dataclass
@@ -363,6 +391,8 @@ class ModuleTracer:
         if name not in self._started:  # first call this step
             self._started.add(name)
             self._record.forward_order.append(name)
+            if self._memory:
+                self._record.modules[name].inputs = tree_map(_spec, (args, kwargs))
         start = self.clock()
         self._stack.append(_Frame(name, start, start - enter, inputs=frozenset(inputs)))
 
