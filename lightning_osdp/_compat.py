@@ -79,6 +79,7 @@ __all__ = [
     "fit_ckpt_path",
     "fit_train_dataloader",
     "init_dist_connection",
+    "is_fake",
     "module_apply",
     "optimizers_to_device",
     "preserve_version_counter",
@@ -184,6 +185,17 @@ def fake_tensor_mode() -> FakeTensorMode:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     return FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (shapes without memory).
+
+    ``torch._subclasses.fake_tensor.is_fake`` (2.9-2.13): the live-storage tracker of a strategy's setup must not count
+    the fake tensors the estimated profile makes.
+    """
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return bool(_is_fake(tensor))
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_osdp._compat import TorchDispatchMode, storage_resize_hook, tree_leaves
+from lightning_osdp._compat import TorchDispatchMode, is_fake, storage_resize_hook, tree_leaves
 
 __all__ = ["AllocatorMeter", "LiveStorageTracker", "MemoryMeter", "memory_meter", "tensors_of"]
 
@@ -66,9 +66,12 @@ def tensors_of(objects: Iterable[Any]) -> list[torch.Tensor]:
 class LiveStorageTracker(TorchDispatchMode):
     """Live and peak bytes of tensor storages on one device type (see the module docstring)."""
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str = "cpu", *, count_fake: bool = True) -> None:
         super().__init__()
         self.device_type = device_type
+        #: Whether fake tensors count (the estimated profile's meter: their sizes are what it measures); a tracker of
+        #: real memory around a profile leaves them out.
+        self.count_fake = count_fake
         self.live = 0
         self.peak = 0
         self._window_peak = 0
@@ -109,7 +112,7 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
     def _track(self, t: torch.Tensor) -> None:
-        if t.device.type != self.device_type or t.is_meta:
+        if t.device.type != self.device_type or t.is_meta or (not self.count_fake and is_fake(t)):
             return
         try:
             storage = t.untyped_storage()

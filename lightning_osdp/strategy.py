@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -56,7 +56,7 @@ from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.profiling.collectives import NodeGroups
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
-from lightning_osdp.step_monitor import StepMonitor
+from lightning_osdp.step_monitor import SetupMeter, StepMonitor
 from lightning_osdp.topology import Topology, TopologyError
 from lightning_osdp.watchdog import _OSDPSubprocessScriptLauncher
 
@@ -229,6 +229,7 @@ class OSDPStrategy(ParallelStrategy):
         self._pretrained = options.check_pretrained(pretrained)
         self._pretrained_prefix = options.check_pretrained_prefix(pretrained_prefix)
         self._monitor: OSDPMonitor | None = None
+        self._setup_peak: int | None = None
         self._root: OSDPModule | ReplicatedModule | None = None
         self.num_nodes = 1
         # DDP's: in manual optimization `manual_backward` runs inside the redirected forward, where DDP's reducer must
@@ -286,6 +287,13 @@ class OSDPStrategy(ParallelStrategy):
     def peak_memory_bytes(self) -> int | None:
         """This rank's measured peak memory of a training step (largest over the measured steps)."""
         return self._monitor.peak_memory_bytes if self._monitor is not None else None
+
+    @property
+    def setup_peak_memory_bytes(self) -> int | None:
+        """This rank's peak memory during ``setup`` (profiling, sharding, materialization, the optimizers), measured as
+        a step's peak is: the CUDA allocator's figure, on CPU the live-storage tracker (``None`` with
+        ``memory_steps=0`` on CPU, or before setup)."""
+        return self._setup_peak
 
     @property
     def step_time(self) -> float | None:
@@ -436,6 +444,20 @@ class OSDPStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        # The budget holds from the first line of setup: its peak is measured as a step's is (see `memory_steps`).
+        meter = SetupMeter(self.root_device, measure=self._memory_steps > 0)
+        with meter.measuring(self.model):
+            self._setup(trainer)
+        self._setup_peak = meter.peak
+        if self._setup_peak is not None and self._memory_budget is not None and self._setup_peak > self._memory_budget:
+            rank_zero_warn(
+                f"OSDP: setup's peak memory on rank 0, {format_bytes(self._setup_peak)}, is over the memory budget of "
+                f"{format_bytes(self._memory_budget)}: build the model on the meta device "
+                "(trainer.init_module(empty_init=True)) so that only its shards are ever allocated"
+            )
+
+    def _setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)

@@ -68,6 +68,7 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "torch.fx.experimental.symbolic_shapes.ShapeEnv": ((), {}),
     "torch.autograd._unsafe_preserve_version_counter": (((),), {}),
     "torch.nn.Module._apply": ((SELF, None), {}),
+    "torch._subclasses.fake_tensor.is_fake": ((None,), {}),
     # Overridden by lightning_osdp.precision.OSDPGradScaler.
     "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler._unscale_grads_": (
         (SELF, None, None, None, True),

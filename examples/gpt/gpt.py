@@ -175,6 +175,11 @@ class GPTModule(L.LightningModule):
         self.val_ppl = Perplexity()
         self.val_acc = MulticlassAccuracy(num_classes=vocab_size, average="micro")
 
+    def init_weights(self) -> None:
+        """GPT-2's initialization, for a model built on the meta device: OSDP calls it once the model is sharded and
+        materialized (``trainer.init_module(empty_init=True)``, see docs/large-models.md)."""
+        self.model._init_weights(self.hparams.depth)
+
     def forward(self, idx: Tensor) -> Tensor:
         """Logits for token ids ``idx``."""
         return self.model(idx)

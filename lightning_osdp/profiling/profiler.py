@@ -566,7 +566,11 @@ def _trace(request: _Request, *, fake: bool) -> _Traced:
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
         if copy_rate is None:
-            copy_rate = measure_copy_bandwidth(target, min(max(request.param_bytes, 4 << 20), 64 << 20))
+            size = min(max(request.param_bytes, 4 << 20), 64 << 20)
+            if request.available_memory is not None:
+                # Its two buffers are setup's memory too: they stay within a quarter of the budget.
+                size = max(min(size, request.available_memory // 8), 64 << 10)
+            copy_rate = measure_copy_bandwidth(target, size)
         work, batch = _replica(stack, request, fake)
         runner = StepRunner(
             work, batch, loss_fn=request.loss_fn, step_context=request.step_context, name=name, step=request.step
@@ -628,7 +632,8 @@ def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> Mo
     from lightning_osdp.plan import default_units
 
     profile, info = traced.profile, traced.profile.info
-    rates = request.rates or measure_device_rates(request.target, _floating_dtype(request.module))
+    budget = request.available_memory // 4 if request.available_memory is not None else None
+    rates = request.rates or measure_device_rates(request.target, _floating_dtype(request.module), max_bytes=budget)
     timing = _estimated_timing(traced.session, traced.record, rates, info)
     if blocks:
         measured = measure_blocks(

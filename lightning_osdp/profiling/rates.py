@@ -32,7 +32,7 @@ __all__ = ["DeviceRates", "measure_copy_bandwidth", "measure_device_rates"]
 
 _MATMUL_SIZES = (32, 128, 384, 768)
 _ELEMENTWISE_SIZES = (1 << 10, 1 << 18, 1 << 21, 1 << 23)
-_CACHE: dict[tuple[str, str, int], DeviceRates] = {}
+_CACHE: dict[tuple[Any, ...], DeviceRates] = {}
 _COPY_CACHE: dict[tuple[str, int, int], float] = {}
 
 
@@ -72,23 +72,38 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _within(sizes: tuple[int, ...], nbytes: Callable[[int], int], max_bytes: int | None) -> tuple[int, ...]:
+    """The sizes whose buffers take at most ``max_bytes`` (the two smallest whatever: a fit needs two points)."""
+    if max_bytes is None:
+        return sizes
+    return tuple(n for i, n in enumerate(sizes) if i < 2 or nbytes(n) <= max_bytes)
+
+
 def measure_device_rates(
-    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, *, repeats: int = 5
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    repeats: int = 5,
+    max_bytes: int | None = None,
 ) -> DeviceRates:
-    """Benchmark ``device`` (default CPU) for ``dtype``; cached for the process (see the module docstring)."""
+    """Benchmark ``device`` (default CPU) for ``dtype``; cached for the process (see the module docstring).
+    ``max_bytes`` bounds the benchmark's buffers (a strategy's setup stays within its memory budget)."""
     device = torch.device(device or "cpu")
-    key = (str(device), str(dtype), torch.get_num_threads())
+    size = torch.tensor([], dtype=dtype).element_size()
+    matmul_sizes = _within(_MATMUL_SIZES, lambda n: 3 * n * n * max(size, 4), max_bytes)
+    elementwise_sizes = _within(_ELEMENTWISE_SIZES, lambda n: 3 * n * size, max_bytes)
+    key = (str(device), str(dtype), torch.get_num_threads(), matmul_sizes, elementwise_sizes)
     if key in _CACHE:
         return _CACHE[key]
     # Inputs that require grad and fresh outputs: each call pays what an operator of a training step pays
     # (autograd recording, allocation), which is most of the cost of small operators on a CPU.
     matmul: list[tuple[float, float]] = []
-    for n in _MATMUL_SIZES:
+    for n in matmul_sizes:
         a = torch.randn(n, n, device=device).to(dtype).requires_grad_()
         b = torch.randn(n, n, device=device).to(dtype)
         matmul.append((2.0 * n**3, _timed(partial(torch.mm, a, b), device, repeats)))
     memory: list[tuple[float, float]] = []
-    for n in _ELEMENTWISE_SIZES:
+    for n in elementwise_sizes:
         x = torch.ones(n, device=device, dtype=dtype).requires_grad_()
         y = torch.ones(n, device=device, dtype=dtype)
         memory.append((3.0 * n * x.element_size(), _timed(partial(torch.add, x, y), device, repeats)))

@@ -1,0 +1,165 @@
+"""Setup memory of a model larger than its budget: built on the meta device against built whole, on 2 CPU ranks.
+
+A GPT (``examples/gpt``: width 768, 6 blocks, vocabulary 8,192, 49M parameters; fp32 parameters, gradients and
+AdamW's two moments are 0.79 GiB) under ``OSDPStrategy(memory_budget=0.55 GiB)``, where no replicated plan fits.
+Each case is a fresh ``torchrun`` launch of 2 ranks that plans, applies and trains 3 steps; every rank reports:
+
+* the largest live tensor bytes over ``setup`` (the live-storage tracker, started by a callback's ``setup`` hook and
+  stopped at ``on_fit_start``: the same measurement on any version of the package) and over the training steps
+  (``strategy.peak_memory_bytes``);
+* the process's peak resident memory (``VmHWM``) less that of the same script run with a tiny model (imports,
+  interpreter, gloo): what the model itself cost the process.
+
+Cases: ``meta`` (``trainer.init_module(empty_init=True)``), ``eager`` (the model built whole, as before meta support),
+``tiny`` (the baseline). ``--osdp-path DIR`` runs them against another checkout of the package (``git worktree add``
+of an older commit): the figures "before". Run: ``python benchmarks/large_model_setup.py [--osdp-path DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+BUDGET = int(0.55 * GIB)
+SHAPES = {
+    "large": {"vocab_size": 8192, "context_length": 128, "width": 768, "depth": 6, "heads": 12},
+    "tiny": {"vocab_size": 256, "context_length": 128, "width": 64, "depth": 1, "heads": 4},
+}
+
+
+def worker(case: str, out: Path) -> None:
+    """One rank of one case (run under torchrun)."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils.data import DataLoader, TensorDataset
+
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from lightning_osdp import OSDPStrategy
+    from lightning_osdp.memory import LiveStorageTracker
+
+    from gpt import GPTModule
+
+    class RealTracker(LiveStorageTracker):
+        def _track(self, t: torch.Tensor) -> None:
+            if not is_fake(t):
+                super()._track(t)
+
+    class SetupPeak(Callback):
+        def __init__(self) -> None:
+            self.tracker: RealTracker | None = None
+            self.peak = 0
+
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            self.tracker = RealTracker("cpu").start(pl_module)
+
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            assert self.tracker is not None
+            self.peak = self.tracker.stop()
+
+    shape = SHAPES["tiny" if case == "tiny" else "large"]
+    tokens = torch.randint(
+        0, shape["vocab_size"], (64, shape["context_length"] + 1), generator=torch.Generator().manual_seed(0)
+    )
+    loader = DataLoader(TensorDataset(tokens), batch_size=2, collate_fn=lambda rows: torch.stack([r[0] for r in rows]))
+    setup_peak = SetupPeak()
+    strategy = OSDPStrategy(memory_budget=BUDGET, solver_time_limit=60)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[setup_peak],
+        default_root_dir=str(out),
+    )
+    if case == "meta":
+        with trainer.init_module(empty_init=True):
+            model = GPTModule(**shape, lr_schedule="constant")
+    else:
+        model = GPTModule(**shape, lr_schedule="constant")
+    trainer.fit(model, loader)
+    status = Path("/proc/self/status").read_text()
+    hwm = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) * 1024
+    result = {
+        "setup_peak": setup_peak.peak,
+        "step_peak": strategy.peak_memory_bytes,
+        "vm_hwm": hwm,
+        "plan": strategy.plan.summary() if strategy.plan else None,
+        "profile_mode": strategy.profile.mode if strategy.profile else None,
+        "losses_finite": bool(all(torch.isfinite(torch.tensor(trainer.callback_metrics["train_loss"])).reshape(-1))),
+    }
+    (out / f"{case}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(case: str, out: Path, osdp_path: Path | None) -> list[dict[str, Any]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    paths = [str(osdp_path)] if osdp_path else [str(ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        case,
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=out)
+    if proc.returncode != 0:
+        raise SystemExit(f"{case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [json.loads((out / f"{case}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--osdp-path", type=Path, default=None, help="the checkout of lightning_osdp to run")
+    parser.add_argument("--cases", default="tiny,eager,meta")
+    parser.add_argument("--worker", nargs=2, metavar=("CASE", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], Path(args.worker[1]))
+        return
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.cases.split(","):
+            results[case] = launch(case, Path(tmp), args.osdp_path)
+    base = max(r["vm_hwm"] for r in results["tiny"]) if "tiny" in results else 0
+    mib = 1 << 20
+    print(f"budget {BUDGET / mib:.0f} MiB per rank; checkout {args.osdp_path or ROOT}")
+    print(f"{'case':6} {'rank':>4} {'setup peak':>12} {'step peak':>12} {'VmHWM - tiny':>13}  plan / profile")
+    for case, ranks in results.items():
+        for rank, r in enumerate(ranks):
+            step = f"{r['step_peak'] / mib:10.1f}Mi" if r["step_peak"] else f"{'n/a':>12}"
+            print(
+                f"{case:6} {rank:>4} {r['setup_peak'] / mib:10.1f}Mi {step} {(r['vm_hwm'] - base) / mib:11.1f}Mi"
+                f"  {r['plan']} / {r['profile_mode']}{'' if r['losses_finite'] else ' (non-finite loss)'}"
+            )
+
+
+if __name__ == "__main__":
+    main()
