@@ -384,3 +384,36 @@ def test_the_roots_gathers_and_the_final_reductions_have_nothing_to_overlap() ->
     # A DDP root all-reduces its buckets during backward: nothing of it is counted as unoverlapped.
     ddp_root = predict(profile, Plan({"": "no_shard", **{b: "full_shard" for b in blocks}}), 8)
     assert next(u for u in ddp_root.units if u.name == "").time.unoverlapped == 0.0
+
+
+def test_osdp_plan_prints_every_term_of_the_step_and_the_network_figures_it_used(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lightning_osdp.cli import main
+
+    init = {"width": 64, "depth": 2, "heads": 4, "context_length": 32, "vocab_size": 256}
+    capsys.readouterr()
+    argv = ["plan", "--model", f"{GPT_FILE}:GPTModule", "--init-args", json.dumps(init), "--nodes", "16"]
+    argv += ["--gpus-per-node", "8", "--hardware", "h100-sxm", "--precision", "bf16-fsdp", "--batch-size", "2"]
+    assert main([*argv, "--no-search"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    parts = lines.index("Step parts per device at batch 2 (ms)")
+    assert lines[parts + 1].split() == [
+        "strategy", "compute", "recompute", "exposed", "comm", "contention", "copies", "optimizer", "overhead", "step",
+        "MFU",
+    ]  # fmt: skip
+    comm = lines.index("Communication per device and step at batch 2 (ms)")
+    rows = {}
+    for line in lines[comm + 3 :]:
+        cells = line.split()
+        if not cells or cells[0] not in ("OSDP", "DDP", "ZeRO-2", "FSDP", "HSDP"):
+            break
+        rows[cells[0]] = [float(c.replace(",", "")) for c in cells[1:]]
+    for name, (total, hidden, not_hidden, unoverlapped, contention) in rows.items():
+        assert hidden + not_hidden + unoverlapped == pytest.approx(total, abs=0.2), name
+        assert contention == pytest.approx(hidden * 16 / 132, abs=0.1), name  # 16 NCCL channels of 132 SMs
+    assert rows["FSDP"][3] > 0  # the root's gathers and final reduction
+    assert "x0.889 over 16 nodes = 320 GB/s" in out  # NVIDIA/nccl#1229's 16-node point
+    assert "network ring step 14.0 us" in out and "ring step 3.4 us" in out
+    assert "794.5 TFLOPS (measured maximum)" in out
