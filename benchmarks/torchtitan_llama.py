@@ -1,24 +1,37 @@
-"""The dry run's FSDP row beside torchtitan's published figures for the same Llama training runs.
+"""The dry run's FSDP rows beside the published figures of the same Llama training runs.
 
-``osdp plan`` predicts a model's step on hardware that is not here. This script puts its prediction for three runs
-torchtitan published (``docs/performance.md`` of pytorch/torchtitan) beside the published figures, with the model of
-``examples/llama`` at each run's shape, FSDP over every block and the rest as one unit (torchtitan's wrapping), and
-FSDP2's ``MixedPrecisionPolicy(bf16, fp32)`` (``--precision bf16-fsdp``, torchtitan's default):
+``osdp plan`` predicts a model's step on hardware that is not here. This script puts its prediction for runs that
+torchtitan published (``docs/performance.md`` and ``benchmarks/llama3_h100_202412_torchtitan.md`` of
+pytorch/torchtitan) beside the published figures, with the model of ``examples/llama`` at each run's shape, FSDP over
+every block and the rest as one unit (torchtitan's wrapping), and FSDP2's ``MixedPrecisionPolicy(bf16, fp32)``
+(``--precision bf16-fsdp``, torchtitan's default):
 
 * Llama 3.1 8B on 8 H100s (96 GB HBM2e at 2.4 TB/s, 500 W: the ``h100-sxm5-96g`` preset), local batch 2 at sequence
   8,192, selective activation checkpointing: 5,762 tokens/s per GPU at 82.4 GiB (Table 1, "FSDP");
-* Llama 3 8B on 64 A100-80GB, local batch 1 at 8,192, selective (op) activation checkpointing: 2,973 tokens/s per GPU;
-* Llama 2 13B on 64 A100-80GB, local batch 2 at 4,096, no activation checkpointing: 2,162 tokens/s per GPU.
+* Llama 3 8B on 64 A100-80GB (8 nodes), local batch 1 at 8,192, selective (op) activation checkpointing: 2,973
+  tokens/s per GPU, 58.2% MFU;
+* Llama 2 13B on 64 A100-80GB, local batch 2 at 4,096, no activation checkpointing: 2,162 tokens/s per GPU, 61.1%;
+* Llama 3.1 405B's shape on 64 nodes of 8 H100 80GB (``h100-sxm``, 8 x 400 Gb/s InfiniBand), local batch 1 at 8,192,
+  every block recomputed: no FSDP-only run of it is published (torchtitan's ran out of memory on 128 H100s); beside
+  it, the MFU of the runs that are: 38-43% for Meta's Llama 3 405B with TP, PP, CP and FSDP on 8,192-16,384 H100s
+  (the Llama 3 paper, Table 4, BF16), and torchtitan's 29.0% for FSDP 16 x TP 8 on 128 H100 96GB, local batch 2, full
+  recomputation (``docs/performance.md`` before 2025, "Llama 3.1 performance numbers").
 
-Run from the repository root: ``python benchmarks/torchtitan_llama.py`` (about a minute on one CPU core: each model
-is traced on fake tensors at two batch sizes). ``--out FILE`` writes the table as JSON.
+MFU is torchtitan's (``torchtitan/utils.py`` ``get_num_flop_per_token``): ``6 * parameters without the embedding +
+12 * layers * heads * head_dim * sequence`` FLOPs per token (causal attention counted as full, "we follow the
+convention"), over the data sheet's dense BF16 peak (989 TFLOPS for both H100s, as torchtitan divides by).
 
-Activation checkpointing: see ``docs/benchmarks.md`` for how the runs that use it are modelled.
+Selective activation checkpointing (per operator) is not yet a plan's choice: the runs that use it are predicted with
+every block and with every second block recomputed, the two ends it lies between in memory, and labelled so.
+
+Run from the repository root: ``python benchmarks/torchtitan_llama.py [--only NAME]`` (the 405B shape takes most of
+the time: a few minutes on 2 cores). ``--out FILE`` writes the rows as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -37,14 +50,21 @@ from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Decision, Plan
 
-from llama import LLAMA3_1_8B, LlamaModule
+from llama import LLAMA3_1_8B, LlamaModule, ffn_hidden_size
 
 GIB = 2**30
 
 
 @dataclass(frozen=True)
 class PublishedRun:
-    """One row of torchtitan's ``docs/performance.md``."""
+    """One published run (``tokens_per_second`` ``None``: none at this configuration, only ``mfu`` references).
+
+    Attributes:
+        activation_checkpointing: ``"selective"``/``"selective op"`` (per operator: not expressible yet, modelled by
+            its two block-level ends), ``"full"`` (every block) or ``"none"``.
+        mfu: the published MFU (torchtitan's convention), or a range ``(low, high)`` of comparable runs.
+        nodes: nodes of the world (``None``: as few as the preset's 8-GPU machines hold).
+    """
 
     name: str
     shape: dict[str, Any]
@@ -52,9 +72,11 @@ class PublishedRun:
     world_size: int
     batch_size: int
     activation_checkpointing: str
-    tokens_per_second: float
+    tokens_per_second: float | None
     memory_gib: float | None
     source: str
+    mfu: float | tuple[float, float] | None = None
+    nodes: int | None = None
 
 
 LLAMA3_8B = {**LLAMA3_1_8B}  # Llama 3 and 3.1 8B share the architecture; 3.1 only extends RoPE for long contexts
@@ -69,6 +91,19 @@ LLAMA2_13B = {
     "ffn_dim_multiplier": None,
     "rope_theta": 10000.0,
 }
+#: Llama 3.1 405B (Meta's params.json; torchtitan's llama3_configs["405B"]): FFN 53,248 (1.2 x 2/3 x 4 x 16,384
+#: rounded up to a multiple of 4,096), at sequence 8,192.
+LLAMA3_1_405B = {
+    "vocab_size": 128256,
+    "context_length": 8192,
+    "dim": 16384,
+    "n_layers": 126,
+    "n_heads": 128,
+    "n_kv_heads": 8,
+    "multiple_of": 4096,
+    "ffn_dim_multiplier": 1.2,
+    "rope_theta": 500000.0,
+}
 
 RUNS = (
     PublishedRun(
@@ -80,7 +115,10 @@ RUNS = (
         "selective",
         5762.0,
         82.4,
-        "Table 1 (FSDP), 1D parallelism, local batch 2, selective AC, no torch.compile, no Float8",
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1 (FSDP), local batch 2, selective AC, no "
+        "torch.compile, no Float8; its text: 8B on 8 or 128 H100 without Float8 at 33% to 39% MFU (5,762 tokens/s is "
+        "33.7% by its formula)",
+        mfu=0.33,
     ),
     PublishedRun(
         "Llama 3 8B, 64 x A100 80GB",
@@ -91,7 +129,8 @@ RUNS = (
         "selective op",
         2973.0,
         None,
-        "Llama 3 performance numbers: batch 1, selective op AC, 2,973 WPS (58.2% MFU)",
+        "torchtitan docs/performance.md, Llama 3 performance numbers: batch 1, selective op AC, 2,973 WPS (58.2% MFU)",
+        mfu=0.582,
     ),
     PublishedRun(
         "Llama 2 13B, 64 x A100 80GB",
@@ -102,23 +141,52 @@ RUNS = (
         "none",
         2162.0,
         None,
-        "Llama 2 performance numbers: batch 2, no AC, 2,162 WPS (61.1% MFU)",
+        "torchtitan docs/performance.md, Llama 2 performance numbers: batch 2, no AC, 2,162 WPS (61.1% MFU)",
+        mfu=0.611,
+    ),
+    PublishedRun(
+        "Llama 3.1 405B, 512 x H100 80GB",
+        LLAMA3_1_405B,
+        "h100-sxm",
+        512,
+        1,
+        "full",
+        None,
+        None,
+        "no FSDP-only run published; MFU of comparable runs: Meta's 4-D parallel Llama 3 405B 38-43% (Llama 3 paper, "
+        "Table 4, BF16, 8,192-16,384 H100); torchtitan FSDP 16 x TP 8, 128 H100 96GB, batch 2, full AC: 29.0%",
+        mfu=(0.38, 0.43),
+        nodes=64,
     ),
 )
 
 
+def flops_per_token(shape: dict[str, Any], parameters_without_embedding: int) -> float:
+    """torchtitan's model FLOPs per token (see the module docstring)."""
+    layers, heads, dim, seq = shape["n_layers"], shape["n_heads"], shape["dim"], shape["context_length"]
+    return 6 * parameters_without_embedding + 12 * layers * heads * (dim // heads) * seq
+
+
+def _parameters_without_embedding(shape: dict[str, Any]) -> int:
+    dim, layers, vocab = shape["dim"], shape["n_layers"], shape["vocab_size"]
+    heads, kv = shape["n_heads"], shape["n_kv_heads"] or shape["n_heads"]
+    hidden = ffn_hidden_size(dim, shape["multiple_of"], shape["ffn_dim_multiplier"])
+    attention = dim * dim * 2 + 2 * dim * (dim // heads) * kv
+    block = attention + 3 * dim * hidden + 2 * dim
+    return layers * block + dim + vocab * dim  # blocks, final norm, output head
+
+
 def fsdp_predictions(run: PublishedRun) -> tuple[list[tuple[str, Prediction, Plan]], float]:
     """The dry run's FSDP rows: the model on the meta device, profiled on fake tensors with the preset's figures,
-    every block and the root ``full_shard``; the seconds the trace took.
+    every block and the root ``full_shard``, on the preset's nodes; the seconds the trace took.
 
-    torchtitan's selective checkpointing (per operator, or every second block) is not a block-level choice: a run
-    that uses it is predicted with every block and with every second block recomputed, the two ends it lies between
-    in memory (every block keeps only its input; every second block keeps half the activations)."""
+    A run with selective checkpointing (per operator) is predicted with every block and with every second block
+    recomputed (see the module docstring)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     with torch.device("meta"):
         module = LlamaModule(**run.shape)
-    figures = get_hardware(run.hardware).figures(run.world_size, "bf16-mixed")
+    figures = get_hardware(run.hardware).figures(run.world_size, "bf16-mixed", nodes=run.nodes)
     context = int(run.shape["context_length"])
     batch = torch.zeros((run.batch_size, context + 1), dtype=torch.int64, device="meta")
     start = time.perf_counter()
@@ -131,76 +199,99 @@ def fsdp_predictions(run: PublishedRun) -> tuple[list[tuple[str, Prediction, Pla
         mixed_precision=BF16_POLICY,
     )
     traced = time.perf_counter() - start
+    # The figures' two levels, as `osdp plan` attaches them (within a node: the profile's; across nodes).
+    profile = dataclasses.replace(
+        profile,
+        world_size=run.world_size,
+        nodes=figures.nodes,
+        inter_node_collectives=dict(figures.inter_node_collectives),
+    )
     fsdp = Plan.uniform(module, "full_shard")
     blocks = [name for name in fsdp.decisions if name]
-    variants = [("no recomputation", fsdp)]
-    if run.activation_checkpointing != "none":
-        variants = [
-            (
-                f"every {label} recomputed",
-                Plan({**fsdp.decisions, **{b: Decision("full_shard", recompute=True) for b in blocks[::every]}}),
-            )
-            for label, every in (("block", 1), ("2nd block", 2))
-        ]
-    return [(label, predict(profile, plan, run.world_size), plan) for label, plan in variants], traced
+    every = {"none": [("no recomputation", 0)], "full": [("every block recomputed", 1)]}.get(
+        run.activation_checkpointing,
+        [("selective AC, not expressible: every block recomputed", 1), ("selective AC, not expressible: every 2nd", 2)],
+    )
+    variants = []
+    for label, step in every:
+        recomputed = blocks[::step] if step else []
+        plan = Plan({**fsdp.decisions, **{b: Decision("full_shard", recompute=True) for b in recomputed}})
+        variants.append((label, plan))
+    return [(label, predict(profile, plan, figures.topology), plan) for label, plan in variants], traced
+
+
+def _mfu_text(value: float | tuple[float, float] | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):
+        return f"{value[0]:.0%}-{value[1]:.0%}"
+    return f"{value:.1%}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON")
+    parser.add_argument("--only", help="only the runs whose name contains this text (e.g. 405B)")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    variants: list[tuple[PublishedRun, str, Prediction, Plan, float]] = []
     for run in RUNS:
+        if args.only and args.only not in run.name:
+            continue
         predictions, traced = fsdp_predictions(run)
-        variants.extend((run, label, prediction, plan, traced) for label, prediction, plan in predictions)
-    for run, label, prediction, plan, traced in variants:
-        tokens = run.batch_size * int(run.shape["context_length"])
-        rate = tokens / prediction.step_seconds
-        step_parts = {k: round(v * 1e3, 1) for k, v in prediction.step_parts.items()}
-        rows.append(
-            {
-                "run": run.name,
-                "hardware": run.hardware,
-                "world_size": run.world_size,
-                "batch": f"{run.batch_size} x {run.shape['context_length']}",
-                "activation_checkpointing": run.activation_checkpointing,
-                "modelled_as": label,
-                "plan": plan.summary(),
-                "published_tokens_per_second": run.tokens_per_second,
-                "predicted_tokens_per_second": round(rate, 1),
-                "throughput_ratio": round(rate / run.tokens_per_second, 3),
-                "published_memory_gib": run.memory_gib,
-                "predicted_memory_gib": round(prediction.peak_bytes / GIB, 2),
-                "memory_ratio": round(prediction.peak_bytes / GIB / run.memory_gib, 3) if run.memory_gib else None,
-                "step_ms": round(prediction.step_seconds * 1e3, 1),
-                "step_parts_ms": step_parts,
-                "peak_at": prediction.peak_at,
-                "peak_parts": {k: format_bytes(v) for k, v in prediction.peak.as_dict().items()},
-                "trace_seconds": round(traced, 1),
-                "source": run.source,
-            }
-        )
+        peak = get_hardware(run.hardware).half_flops
+        per_token = flops_per_token(run.shape, _parameters_without_embedding(run.shape))
+        for label, prediction, plan in predictions:
+            tokens = run.batch_size * int(run.shape["context_length"])
+            rate = tokens / prediction.step_seconds
+            rows.append(
+                {
+                    "run": run.name,
+                    "hardware": run.hardware,
+                    "world_size": run.world_size,
+                    "batch": f"{run.batch_size} x {run.shape['context_length']}",
+                    "activation_checkpointing": run.activation_checkpointing,
+                    "modelled_as": label,
+                    "plan": plan.summary(),
+                    "published_tokens_per_second": run.tokens_per_second,
+                    "predicted_tokens_per_second": round(rate, 1),
+                    "throughput_ratio": round(rate / run.tokens_per_second, 3) if run.tokens_per_second else None,
+                    "published_mfu": run.mfu,
+                    "predicted_mfu": round(rate * per_token / peak, 4),
+                    "published_memory_gib": run.memory_gib,
+                    "predicted_memory_gib": round(prediction.peak_bytes / GIB, 2),
+                    "memory_ratio": round(prediction.peak_bytes / GIB / run.memory_gib, 3) if run.memory_gib else None,
+                    "step_ms": round(prediction.step_seconds * 1e3, 1),
+                    "step_parts_ms": {k: round(v * 1e3, 1) for k, v in prediction.step_parts.items()},
+                    "communication_ms": round(prediction.communication_seconds * 1e3, 1),
+                    "exposed_by_cause_ms": {k: round(v * 1e3, 1) for k, v in prediction.exposed_by_cause.items()},
+                    "peak_at": prediction.peak_at,
+                    "peak_parts": {k: format_bytes(v) for k, v in prediction.peak.as_dict().items()},
+                    "trace_seconds": round(traced, 1),
+                    "source": run.source,
+                }
+            )
     header = (
-        f"{'run':30} {'AC':>12} {'modelled as':>27} {'tok/s pub':>10} {'tok/s dry':>10} {'ratio':>6} {'GiB pub':>8} "
-        f"{'GiB dry':>8} {'ratio':>6}"
+        f"{'run':32} {'AC':>12} {'modelled as':>52} {'tok/s pub':>10} {'tok/s dry':>10} {'ratio':>6} "
+        f"{'MFU pub':>8} {'MFU dry':>8} {'GiB pub':>8} {'GiB dry':>8} {'ratio':>6}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
+        pub_rate = f"{r['published_tokens_per_second']:,.0f}" if r["published_tokens_per_second"] else "-"
+        ratio = f"{r['throughput_ratio']:.2f}" if r["throughput_ratio"] else "-"
         pub_mem = f"{r['published_memory_gib']:.1f}" if r["published_memory_gib"] else "-"
         mem_ratio = f"{r['memory_ratio']:.2f}" if r["memory_ratio"] else "-"
         print(
-            f"{r['run']:30} {r['activation_checkpointing']:>12} {r['modelled_as']:>27} "
-            f"{r['published_tokens_per_second']:>10,.0f} "
-            f"{r['predicted_tokens_per_second']:>10,.0f} {r['throughput_ratio']:>6.2f} {pub_mem:>8} "
-            f"{r['predicted_memory_gib']:>8.1f} {mem_ratio:>6}"
+            f"{r['run']:32} {r['activation_checkpointing']:>12} {r['modelled_as']:>52} {pub_rate:>10} "
+            f"{r['predicted_tokens_per_second']:>10,.0f} {ratio:>6} {_mfu_text(r['published_mfu']):>8} "
+            f"{r['predicted_mfu']:>8.1%} {pub_mem:>8} {r['predicted_memory_gib']:>8.1f} {mem_ratio:>6}"
         )
     for r in rows:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in r["step_parts_ms"].items())
+        causes = ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in r["exposed_by_cause_ms"].items())
         print(
-            f"\n{r['run']} ({r['modelled_as']}): step {r['step_ms']:,.1f} ms ({parts}); peak at {r['peak_at']!r}: "
-            f"{r['peak_parts']}"
+            f"\n{r['run']} ({r['modelled_as']}): step {r['step_ms']:,.1f} ms ({parts}); communication "
+            f"{r['communication_ms']:,.1f} ms, exposed by cause: {causes}; peak at {r['peak_at']!r}: {r['peak_parts']}"
         )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")

@@ -105,8 +105,11 @@ def test_groups_across_nodes_run_at_the_slower_link_with_their_share_of_the_netw
     # The world ring has 8 ranks of each node: 8 shares of a node's network, or the node's link if that is slower.
     world = net.fit("all_gather", topo.world)
     assert bus_bytes_per_second(world) == pytest.approx(min(8 * across, inside))
-    # Every one of its 31 ring steps waits for the slower hop: the across-node fit's, measured over 3 hops.
-    assert world.alpha_seconds == pytest.approx(profile.inter_node_collectives["all_gather"].alpha_seconds * 31 / 3)
+    # NCCL's ring over nodes: 3 of its 31 steps cross the network (the across-node fit, measured over those 3), the
+    # other 28 stay within a node (the within-node fit's latency per step, measured over 7).
+    across_alpha = profile.inter_node_collectives["all_gather"].alpha_seconds
+    within_alpha = profile.collectives["all_gather"].alpha_seconds
+    assert world.alpha_seconds == pytest.approx(across_alpha + within_alpha * 28 / 7)
     # hybrid_shard's replicate group has one rank per node: one share.
     assert bus_bytes_per_second(net.fit("all_reduce", topo.replicate_group)) == pytest.approx(
         bus_bytes_per_second(profile.inter_node_collectives["all_reduce"])

@@ -268,13 +268,16 @@ def test_a_dry_run_under_the_policy_gathers_half_the_bytes(capsys: pytest.Captur
 
 
 def _parts(out: str) -> dict[str, dict[str, float]]:
+    """The step-parts and communication tables' figures (ms) by strategy and column (the MFU left out)."""
     lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Step parts per device"))
-    headers = re.split(r"\s{2,}", lines[start + 1].strip())
-    rows = {}
-    for line in lines[start + 3 : start + 7]:
-        cells = re.split(r"\s{2,}", line.strip())
-        rows[cells[0]] = {h: float(c.replace(",", "")) for h, c in zip(headers[1:], cells[1:], strict=True)}
+    rows: dict[str, dict[str, float]] = {}
+    for title in ("Step parts per device", "Communication per device and step"):
+        start = next(i for i, line in enumerate(lines) if line.startswith(title))
+        headers = re.split(r"\s{2,}", lines[start + 1].strip())
+        for line in lines[start + 3 : start + 7]:
+            cells = re.split(r"\s{2,}", line.strip())
+            figures = zip(headers[1:], cells[1:], strict=True)
+            rows.setdefault(cells[0], {}).update({h: float(c.replace(",", "")) for h, c in figures if h != "MFU"})
     return rows
 
 

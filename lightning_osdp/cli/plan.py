@@ -54,7 +54,7 @@ from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
 from lightning_osdp.topology import Topology, TopologyError
 
-__all__ = ["BASELINES", "DryRun", "StrategyFigures", "run"]
+__all__ = ["BASELINES", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
 
 #: The uniform strategies compared with OSDP: (name, mode, every block recomputed). "+AC": activation checkpointing
 #: of every block, as Lightning users configure it by hand. HSDP only where its shard groups are not the world (on
@@ -430,26 +430,48 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
 #: The columns of the step-parts table: ``Prediction.step_parts`` keys and their headers.
 _PARTS: tuple[tuple[str, str], ...] = (
     ("compute", "compute"),
+    ("recompute", "recompute"),
     ("exposed_communication", "exposed comm"),
+    ("contention", "contention"),
     ("copies", "copies"),
     ("optimizer", "optimizer"),
     ("overhead", "overhead"),
 )
 
 
-def _parts_table(run: DryRun, rows: Sequence[StrategyFigures], out: Output) -> None:
-    """What each strategy's step is made of, and the hardware figures each part comes from, so that a reader can
-    check every term against the hardware."""
-    table = []
+def model_flops_utilization(profile: ModelProfile, step_seconds: float, peak_flops: float) -> float | None:
+    """The step's model FLOPs (three times the traced forward's: forward and backward, no recomputation; causal
+    attention at its real work) over the step time and the device's data-sheet peak; ``None`` without a peak."""
+    if not peak_flops or step_seconds <= 0:
+        return None
+    return 3 * sum(m.fwd_flops for m in profile.modules.values()) / step_seconds / peak_flops
+
+
+def _parts_table(run: DryRun, profile: ModelProfile, rows: Sequence[StrategyFigures], out: Output) -> None:
+    """What each strategy's step is made of, its communication by cause, and the hardware figures each part comes
+    from, so that a reader can check every term against the hardware."""
+    table, comm_table = [], []
     for row in rows:
         p = row.prediction
         parts = p.step_parts
+        mfu = model_flops_utilization(profile, p.step_seconds, run.figures.peak_flops)
         table.append(
             [
                 row.name,
                 *(f"{parts[key] * 1e3:,.1f}" for key, _ in _PARTS),
                 f"{p.step_seconds * 1e3:,.1f}",
+                f"{mfu:.1%}" if mfu is not None else "-",
+            ]
+        )
+        causes = p.exposed_by_cause
+        comm_table.append(
+            [
+                row.name,
                 f"{p.communication_seconds * 1e3:,.1f}",
+                f"{(p.communication_seconds - p.exposed_seconds) * 1e3:,.1f}",
+                f"{causes['not_hidden'] * 1e3:,.1f}",
+                f"{causes['unoverlapped'] * 1e3:,.1f}",
+                f"{causes['contention'] * 1e3:,.1f}",
             ]
         )
     rates, fits = run.figures.rates, run.figures.collectives
@@ -458,22 +480,39 @@ def _parts_table(run: DryRun, rows: Sequence[StrategyFigures], out: Output) -> N
         f"{op.replace('_', '-')} of 256 MiB {fits[op].seconds(probe) * 1e3:.2f} ms" for op in sorted(fits)
     )
     notes = [
-        f"compute: each operator's FLOPs at {rates.matmul_flops_per_second / 1e12:,.1f} TFLOPS ({rates.dtype}) and "
-        f"bytes at {rates.memory_bytes_per_second / 1e9:,.0f} GB/s, plus {rates.matmul_op_seconds * 1e6:.0f}/"
-        f"{rates.memory_op_seconds * 1e6:.0f} us per matmul/other kernel; exposed comm: collectives not hidden "
-        f"behind their units' compute ({collective}); the total is the last column.",
+        f"compute: each operator's FLOPs and bytes ({rates.dtype}; see the figures below) plus "
+        f"{rates.matmul_op_seconds * 1e6:.0f}/{rates.memory_op_seconds * 1e6:.0f} us per matmul/other kernel, "
+        f"other operators' bytes at {rates.memory_bytes_per_second / 1e9:,.0f} GB/s; recompute: the forward of the "
+        "recomputed blocks, run again in backward; exposed comm and contention: see the next table.",
         f"copies: FSDP2's copy-out after each all-gather, DDP's gradient copy into its buckets, and side-stream "
         f"copies compute does not hide, at {run.figures.copy_bytes_per_second / 1e9:,.0f} GB/s; optimizer: its step "
         "over each rank's local parameters (traced on the target's rates); overhead: the loss, the training loop, "
         "and FSDP2's hooks where they outlast their units' compute (lightning_osdp/cost_model/config.py [Note: the "
         "target's figures]).",
+        "MFU: three times the traced forward FLOPs (causal attention at its real work, no recomputation) per step "
+        + (f"over the data sheet's {run.figures.peak_flops / 1e12:,.0f} TFLOPS." if run.figures.peak_flops else "-."),
     ]
     out.table(
         f"Step parts per device at batch {run.batch_size} (ms)",
-        ["strategy", *(h for _, h in _PARTS), "step", "all comm"],
+        ["strategy", *(h for _, h in _PARTS), "step", "MFU"],
         table,
         right=list(range(1, len(_PARTS) + 3)),
         notes=notes,
+    )
+    out.print("")
+    out.table(
+        f"Communication per device and step at batch {run.batch_size} (ms)",
+        ["strategy", "all comm", "hidden", "exposed: not hidden", "exposed: nothing to overlap", "contention"],
+        comm_table,
+        right=list(range(1, 6)),
+        notes=[
+            "hidden: behind its unit's compute (FSDP2 and DDP communicate on their own streams); not hidden: more than "
+            "that compute; nothing to overlap: the root's gathers, before the step's first compute, and the reductions "
+            "of FSDP2's final callback, after its last (lightning_osdp/cost_model/structure.py unit_time); contention: "
+            "the compute the hidden collectives slow down (cost_model/config.py [Note: the target's figures]).",
+            f"collective fits within a node: {collective}.",
+            *(f"figures: {note}" for note in run.figures.notes),
+        ],
     )
 
 
@@ -529,7 +568,7 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
         notes=notes,
     )
     out.print("")
-    _parts_table(run, rows, out)
+    _parts_table(run, profile, rows, out)
 
 
 def _save(run: DryRun, scaled: BatchScaledProfile, plan: Plan, path: str, out: Output) -> None:

@@ -60,7 +60,8 @@ autocast's compute-dtype copies of their weights (``units.py`` [Note: bytes per 
 
 Time
 ----
-``step = compute + sum over units (exposed communication + copies + optimizer + overhead)``, where
+``step = compute + recomputation + sum over units (exposed communication + contention + copies + optimizer +
+overhead)``, where
 
 * ``compute`` is the profiled forward and backward time of every module, plus the profile's step overhead less its
   optimizer step (modelled per unit), plus the training loop around the step (Lightning's closure and hooks,
@@ -76,7 +77,12 @@ Time
 * exposed communication is ``max(0, communication - overlap * compute of the unit's modules)``: FSDP2 prefetches
   the next all-gather during the current unit's compute and reduces during the next backward compute. On CPU
   ``overlap`` is 0 (gloo collectives block the calling thread; FSDP2's streams are no-ops), so every
-  collective is exposed; on CUDA it is 1;
+  collective is exposed; on CUDA it is 1. Collectives with nothing to overlap are exposed whatever the compute: the
+  root unit's gathers (before the step's first compute) and the reductions of FSDP2's final callback (after its last;
+  ``structure.unit_time``);
+* contention: a collective hidden behind compute slows that compute by the share of the device its kernels hold
+  (``collective_compute_share``; ``config.py`` [Note: the target's figures]);
+* recomputation: the forward seconds of every recomputed module, run again in backward;
 * copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in) and DDP's copy of each
   gradient into its bucket, at the copy bandwidth; on CUDA the copy-ins run on FSDP2's side streams and hide in the
   compute the collectives leave;
@@ -88,8 +94,8 @@ Time
 * host work (hooks, DTensor dispatch) adds on the CPU, where host and device are the same cores; on CUDA it costs
   only what the device work it overlaps does not hide (``host_overlap``).
 
-``Prediction.step_parts`` splits the step into these parts (compute, exposed communication, copies, optimizer,
-overhead); ``osdp plan`` prints them.
+``Prediction.step_parts`` splits the step into these parts (compute, recompute, exposed communication, contention,
+copies, optimizer, overhead) and ``Prediction.exposed_by_cause`` the exposed part by cause; ``osdp plan`` prints both.
 
 The constants are in :class:`CostModelConfig`; ``config.py`` [Note: calibration] says how each was measured on the
 development CPU, and [Note: the target's figures] where a GPU's come from.

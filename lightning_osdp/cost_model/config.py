@@ -50,6 +50,18 @@ __all__ = ["CostModelConfig", "ResolvedConfig"]
 #   CPU is not slower than the development machine's shared core), so a model small enough to be host-bound still
 #   pays them.
 # * Collectives are enqueued on NCCL's streams: no wait is charged per call (``collective_sync_seconds`` 0).
+# * Hiding a collective behind compute is not free: NCCL's kernels run one thread block per channel, each holding a
+#   multiprocessor for the collective's whole duration, so the compute they overlap runs on the rest of the device.
+#   Over a collective of ``t`` seconds hidden behind compute, that compute loses ``t * share`` seconds of work, with
+#   ``share`` the channels over the multiprocessors (``collective_compute_share``: 16 of the H100's 132 for Hopper,
+#   8 for Ampere, torch's estimator's channel counts; ``cli/hardware.py``). This is the slowdown's floor: measured on
+#   4 A100/H100, compute overlapped with communication ran 18.9% slower on average and up to 40% (
+#   "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114),
+#   which adds the memory bandwidth the collectives take and the extra wave a GEMM launched on fewer free
+#   multiprocessors can need (a GEMM of exactly 132 blocks beside a 24-block all-gather took almost twice as long:
+#   NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail
+#   Effect"). Not modelled: those depend on the kernels' shapes and launch order. A profile that does not know the
+#   share (a measured one, for now) charges none.
 # * The training loop around the step: 5 ms (not measured on CUDA; the loop is the same Python as on CPU, and the
 #   collectives behind ``sync_dist`` are NCCL's microsecond all-reduces).
 _DEFAULT_COPY_BYTES_PER_SECOND = 3e9
@@ -102,6 +114,9 @@ class CostModelConfig:
         release_all_gather_after_forward: whether a sharded unit's forward all-gather buffer is freed when its
             forward ends (the executor does so on CPU, ``lightning_osdp/comm.py``) rather than when the next FSDP2
             unit gathers. ``None``: as the executor does on the profile's device.
+        collective_compute_share: the share of the device's compute a collective's kernels hold while compute hides
+            it (see [Note: the target's figures]). ``None``: 0 on CPU (nothing overlaps), else the profile's rates'
+            (``DeviceRates.collective_compute_share``; 0 when it has none).
     """
 
     overlap: float | None = None
@@ -117,6 +132,7 @@ class CostModelConfig:
     ddp_bucket_bytes: int = _DDP_BUCKET_BYTES
     release_all_gather_after_forward: bool | None = None
     host_overlap: float | None = None
+    collective_compute_share: float | None = None
 
     def resolve(self, profile: ModelProfile) -> ResolvedConfig:
         """Fill the ``None`` fields from ``profile`` (device, optimizer type, measured figures)."""
@@ -133,6 +149,9 @@ class CostModelConfig:
         host_overlap = self.host_overlap
         if host_overlap is None:
             host_overlap = 0.0 if on_cpu else 1.0
+        share = self.collective_compute_share
+        if share is None:
+            share = 0.0 if on_cpu or profile.rates is None else profile.rates.collective_compute_share
         trainable = sum(m.trainable_param_bytes for m in profile.modules.values())
         # The profile's step overhead was measured with the optimizer stepping every parameter on one device; the
         # optimizer's share is modelled per unit (it shrinks with sharding), so it is taken out of the constant.
@@ -163,6 +182,7 @@ class CostModelConfig:
             optimizer_temporaries=float(temporaries),
             step_overhead_seconds=constant + framework,
             host_overlap=float(host_overlap),
+            collective_compute_share=float(share),
             param_itemsize=_itemsize(profile, "param_dtype"),
             reduce_itemsize=_itemsize(profile, "reduce_dtype"),
             ddp_bucket_bytes=self.ddp_bucket_bytes,
@@ -192,6 +212,7 @@ class ResolvedConfig:
     ddp_bucket_bytes: int
     release_all_gather_after_forward: bool
     host_overlap: float = 0.0
+    collective_compute_share: float = 0.0
     #: bytes per element that sharded units gather and compute in, and reduce in, under the profile's
     #: mixed-precision policy (``None``: the parameters' own; see ``units.py`` [Note: bytes per dtype under FSDP2's
     #: mixed precision])

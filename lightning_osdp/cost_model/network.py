@@ -13,11 +13,14 @@ ring steps:
 * a group within one node: the within-node fit carried over to the group's size. The world of a one-node run uses
   the fit as it is (the profile's fit is that of the group the model trains on), so a flat world predicts exactly
   what it did before topologies existed;
-* a group across nodes, with ``m`` of its ranks on each node: the across-node fit was measured with every rank of a
-  node sending across at once, so its bus bandwidth is one rank's share of the node's network; the group's
+* a group across nodes, with ``m`` of its ranks on each of ``k`` nodes: the across-node fit was measured with every
+  rank of a node sending across at once, so its bus bandwidth is one rank's share of the node's network; the group's
   ``m`` ranks of a node share ``m`` such shares. A ring over several nodes runs at its slowest link: the bus
-  bandwidth is the smaller of that and the within-node one (when ``m > 1`` the ring also steps inside nodes), and
-  every step pays the across-node latency.
+  bandwidth is the smaller of that and the within-node one (when ``m > 1`` the ring also steps inside nodes). Its
+  latency is NCCL's model of a ring over nodes (``src/graph/tuning.cc``, ``ncclTopoTuneModel``: ``nInterSteps``):
+  ``k - 1`` steps cross the network (the across-node fit carried over to ``k`` nodes) and the other ``N - k`` stay
+  within a node (each at the within-node fit's latency per step). An upper bound by the fixed cost per call that
+  each fit's per-step share carries.
 
 So the world of a multi-node run (``m`` = ranks per node) runs at the node's whole network bandwidth and
 ``hybrid_shard``'s replicate group (``m = 1`` for a shard group of one node) at one rank's share, as all of a
@@ -131,13 +134,16 @@ class Network:
             else:
                 fit = carried_over(intra, group.size)
         else:
-            across = carried_over(self._level(op, across=True), group.size)
-            bus = bus_bytes_per_second(self._level(op, across=True)) * group.per_node
-            alpha = across.alpha_seconds
+            across_fit = self._level(op, across=True)
+            bus = bus_bytes_per_second(across_fit) * group.per_node
+            # The ring's k - 1 network steps, then its N - k steps within nodes (see [Note: two levels]).
+            alpha = carried_over(across_fit, group.nodes).alpha_seconds
             if group.per_node > 1:
-                inside = carried_over(self._level(op, across=False), group.size)
-                bus = min(bus, bus_bytes_per_second(inside))
-                alpha = max(alpha, inside.alpha_seconds)
+                intra_fit = self._level(op, across=False)
+                bus = min(bus, bus_bytes_per_second(carried_over(intra_fit, group.size)))
+                if intra_fit.world_size > 1:
+                    steps_within = group.size - group.nodes
+                    alpha += intra_fit.alpha_seconds * steps_within / (intra_fit.world_size - 1)
             n = group.size
             beta = bus / (_passes(op) * (n - 1) / n) if math.isfinite(bus) else math.inf
             fit = CollectiveFit(op, n, alpha, beta)

@@ -88,6 +88,9 @@ class Prediction:
         step_overhead_seconds: the part of ``compute_seconds`` outside the modules: the loss, the optimizer step's
             framework, the training loop around the step.
         topology: the nodes and shard groups it was predicted for (``None``: ``world_size`` ranks on one node).
+        unoverlapped_seconds: the part of ``exposed_seconds`` no compute could hide (the root's gathers before the
+            step's compute, the reductions of FSDP2's final callback after it; ``UnitTime.unoverlapped``).
+        contention_seconds: compute time lost to the collectives it hides (``UnitTime.contention``).
     """
 
     peak: MemoryParts
@@ -104,19 +107,40 @@ class Prediction:
     overhead_seconds: float = 0.0
     step_overhead_seconds: float = 0.0
 
+    topology: Topology | None = None
+    unoverlapped_seconds: float = 0.0
+    contention_seconds: float = 0.0
+
     @property
     def step_parts(self) -> dict[str, float]:
         """The step time in parts that add up to ``step_seconds``: ``compute`` (the modules' forward and backward),
-        ``exposed_communication``, ``copies``, ``optimizer`` and ``overhead`` (hooks, loss, training loop)."""
-        return {
+        ``recompute`` (the forward run again in backward by recomputed modules), ``exposed_communication``,
+        ``contention`` (compute slowed by the collectives it hides), ``copies``, ``optimizer`` and ``overhead`` (hooks,
+        loss, training loop)."""
+        parts = {
             "compute": self.compute_seconds - self.step_overhead_seconds,
+            "recompute": 0.0,
             "exposed_communication": self.exposed_seconds,
+            "contention": self.contention_seconds,
             "copies": self.copies_seconds,
             "optimizer": self.optimizer_seconds,
             "overhead": self.overhead_seconds + self.step_overhead_seconds,
         }
+        # The timeline adds each recomputed module's forward seconds to its segment's (timeline.py
+        # `_recompute_seconds`), the one term of the step no unit carries: what the other parts leave.
+        rest = self.step_seconds - sum(parts.values())
+        parts["recompute"] = rest if rest > 1e-9 * max(self.step_seconds, 1e-30) else 0.0
+        return parts
 
-    topology: Topology | None = None
+    @property
+    def exposed_by_cause(self) -> dict[str, float]:
+        """The exposed communication and contention by cause: ``not_hidden`` (more than its unit's compute can hide),
+        ``unoverlapped`` (before the step's first compute or after its last) and ``contention``."""
+        return {
+            "not_hidden": self.exposed_seconds - self.unoverlapped_seconds,
+            "unoverlapped": self.unoverlapped_seconds,
+            "contention": self.contention_seconds,
+        }
 
     @property
     def peak_bytes(self) -> int:
@@ -375,4 +399,6 @@ def _predict(profile: ModelProfile, plan: Plan, world_size: int | Topology, conf
         overhead_seconds=sum(t.overhead for t in times),
         step_overhead_seconds=config.step_overhead_seconds,
         topology=info.topology,
+        unoverlapped_seconds=sum(t.unoverlapped for t in times),
+        contention_seconds=sum(t.contention for t in times),
     )

@@ -284,35 +284,50 @@ class Structure:
     globals_bound_pending: int = 0
 
 
-def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
+def unit_time(
+    info: ModelInfo, b: UnitBytes, compute: float, *, before_compute: bool = False, after_compute: bool = False
+) -> UnitTime:
     """Communication, copies, optimizer and overhead seconds of a unit (see the cost model's time model).
 
     Each collective runs on its group of the topology (``network.py``): ``full_shard`` and ``shard_grad_op`` gather and
     reduce-scatter over the world, ``hybrid_shard`` within its shard group and then all-reduces its gradient shard
-    across the replicate group, DDP all-reduces over the world."""
+    across the replicate group, DDP all-reduces over the world.
+
+    ``before_compute``: the unit's gathers run before any compute of the step can hide them (the root's: its
+    all-gather is the step's first work, and its backward one follows the loss at once); ``after_compute``: its
+    reduction runs after the whole backward (FSDP2's final callback, ``LocalUnit.deferred``), which waits for it.
+    Those collectives are exposed whatever the unit's compute (``UnitTime.unoverlapped``). Collectives that compute
+    hides cost that compute the share of the device their kernels hold while they run
+    (``ResolvedConfig.collective_compute_share``: ``UnitTime.contention``)."""
     cfg, ws, net, topo = info.config, info.world_size, info.network, info.topology
     copy = cfg.copy_bytes_per_second
     if b.param_count == 0:
         return UnitTime(compute=compute)
     sync = cfg.collective_sync_seconds if ws > 1 else 0.0
+    unoverlapped = 0.0
     if b.sharded:
         group = topo.shard_group if b.mode == "hybrid_shard" else topo.world
         call_sync = sync if group.size > 1 else 0.0
         gathers = 2 if b.reshards_after_forward else 1
         comm = gathers * (net.seconds("all_gather", b.flat, group) + call_sync)
+        if before_compute:
+            unoverlapped += comm
         # The copy-out runs on the compute stream; the all-gather copy-in and the reduce-scatter copy-in run on
         # FSDP2's side streams and hide, after the collectives, in what compute is left (config.py [Note: the
         # target's figures]; on CPU nothing overlaps).
         copies = gathers * (b.params + b.gathered) / copy
         side = gathers * b.params / copy
         if b.trainable:
-            comm += net.seconds("reduce_scatter", b.reduce_input, group) + call_sync
+            reduction = net.seconds("reduce_scatter", b.reduce_input, group) + call_sync
             copies += b.reduce_input / copy
             side += b.reduce_input / copy
             if b.mode == "hybrid_shard" and topo.replicas > 1:
                 # FSDP2 all-reduces the reduce-scatter output (the sharded gradient) in place across the groups.
-                comm += net.seconds("all_reduce", b.grad, topo.replicate_group) + sync
-        copies -= min(side, max(0.0, cfg.overlap * compute - comm))
+                reduction += net.seconds("all_reduce", b.grad, topo.replicate_group) + sync
+            comm += reduction
+            if after_compute:
+                unoverlapped += reduction
+        copies -= min(side, max(0.0, cfg.overlap * compute - (comm - unoverlapped)))
     else:
         # DDP: the unit's gradients share buckets with other no_shard units' and are all-reduced a bucket at a
         # time; the call's latency (and the ranks' synchronisation) is paid once per bucket, so a unit pays the
@@ -324,16 +339,19 @@ def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
             alpha = net.fit("all_reduce", topo.world).alpha_seconds
             comm = fit_bytes - alpha + (alpha + sync) * b.bucket / cfg.ddp_bucket_bytes
         copies = b.bucket / copy
+        hidden = min(comm, cfg.overlap * compute)
         return UnitTime(
             communication=comm,
-            exposed=max(0.0, comm - cfg.overlap * compute),
+            exposed=comm - hidden,
             copies=copies,
             optimizer=b.bucket * cfg.optimizer_seconds_per_byte,
             compute=compute,
+            contention=cfg.collective_compute_share * hidden,
         )
     if ws <= 1:
-        comm = 0.0
-    exposed = max(0.0, comm - cfg.overlap * compute)
+        comm = unoverlapped = 0.0
+    hidden = min(comm - unoverlapped, cfg.overlap * compute)
+    exposed = comm - hidden
     # Host work (hooks; DTensor dispatch of the optimizer) costs what the device work it overlaps does not hide.
     optimizer = b.grad * cfg.optimizer_seconds_per_byte
     dispatch = b.n_trainable * cfg.optimizer_seconds_per_tensor
@@ -345,6 +363,8 @@ def unit_time(info: ModelInfo, b: UnitBytes, compute: float) -> UnitTime:
         optimizer=optimizer + max(0.0, dispatch - cfg.host_overlap * optimizer),
         overhead=max(0.0, hooks - cfg.host_overlap * compute),
         compute=compute,
+        unoverlapped=unoverlapped,
+        contention=cfg.collective_compute_share * hidden,
     )
 
 
@@ -365,7 +385,8 @@ def _make_unit(
     deferred: bool,
 ) -> LocalUnit:
     b = unit_bytes(params, mode, info.shard_ranks(mode), optim_tensor_bytes=optim[0], optim_scalar_bytes=optim[1])
-    return LocalUnit(names, decision_name, mode, split, b, unit_time(info, b, compute), deferred)
+    time = unit_time(info, b, compute, before_compute=decision_name == ROOT, after_compute=deferred)
+    return LocalUnit(names, decision_name, mode, split, b, time, deferred)
 
 
 def global_unit(info: ModelInfo, name: str, holders: Sequence[str], covered: Sequence[str], mode: str) -> LocalUnit:

@@ -294,12 +294,17 @@ class UnitTime:
 
     Attributes:
         communication: its collectives (all-gathers, reduce-scatter or all-reduce).
-        exposed: the part of ``communication`` not hidden behind compute.
+        exposed: the part of ``communication`` not hidden behind compute (``unoverlapped`` included).
         copies: FSDP2's own memory copies around the collectives.
         optimizer: the optimizer step over the unit's local trainable parameters.
         overhead: hooks, and the extra calls of a split operator.
         compute: forward + backward compute of the modules the unit covers (informative; counted once, in the
             model's compute).
+        unoverlapped: the part of ``exposed`` that no compute can hide whatever its amount: a collective that runs
+            before the step's first compute (the root's all-gather) or after its last (the reductions of FSDP2's
+            final callback).
+        contention: what the collectives that compute hides cost that compute: their kernels hold part of the
+            device while they run (``ResolvedConfig.collective_compute_share``).
     """
 
     communication: float = 0.0
@@ -308,11 +313,13 @@ class UnitTime:
     optimizer: float = 0.0
     overhead: float = 0.0
     compute: float = 0.0
+    unoverlapped: float = 0.0
+    contention: float = 0.0
 
     @property
     def added(self) -> float:
-        """What the unit adds to the step time: exposed communication, copies, optimizer, overhead."""
-        return self.exposed + self.copies + self.optimizer + self.overhead
+        """What the unit adds to the step time: exposed communication, contention, copies, optimizer, overhead."""
+        return self.exposed + self.contention + self.copies + self.optimizer + self.overhead
 
     def __add__(self, other: UnitTime) -> UnitTime:
         return UnitTime(
@@ -322,6 +329,8 @@ class UnitTime:
             self.optimizer + other.optimizer,
             self.overhead + other.overhead,
             self.compute + other.compute,
+            self.unoverlapped + other.unoverlapped,
+            self.contention + other.contention,
         )
 
 

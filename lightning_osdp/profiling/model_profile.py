@@ -237,6 +237,8 @@ class ModelProfile:
         """The JSON document :meth:`save` writes."""
         data = asdict(self)
         data["modules"] = [asdict(m) for m in self.modules.values()]
+        if self.rates is not None:
+            data["rates"] = self.rates.to_dict()
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
 
     @classmethod

@@ -12,10 +12,28 @@ Both are timed the way a training step calls them (inputs that require grad, a f
 the per-operator cost of eager execution, which dominates small models on a CPU.
 
 The benchmark takes a few tenths of a second and is cached per (device, dtype, thread count) for the process.
+
+[Note: rates by shape]
+A flat FLOP rate charges a narrow projection like a square one. Rates that say so (a dry run's built-in figures,
+``cli/hardware.py``) price each compute-bound operator by its shape instead (the tracer keeps them one by one,
+``ComputeKernel``):
+
+* a matrix product on the roofline of its arithmetic intensity (Williams, Waterman and Patterson, "Roofline", CACM
+  2009): ``max(flops / R, bytes / B)``, where ``R`` is the largest rate the device reaches on large products (a
+  measured maximum, not the data sheet's peak) and ``B`` its memory rate: a product that cannot reuse its operands
+  enough is bound by its bytes;
+* a fused attention kernel at the rate its published benchmark reports for its key length, head size and
+  causality (``attention_flops_per_second``: points interpolated in log2 of the key length and clamped at the ends),
+  on the same roofline.
+
+The measured rates of this module have none of these (``matmul_roofline`` false, no attention points): their fit on
+square products already holds this device's behaviour, and the figures they produce stay as they were.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,7 +44,7 @@ import torch
 
 from lightning_osdp.profiling.fit import fit_latency_throughput
 from lightning_osdp.profiling.timing import device_clock, no_gc
-from lightning_osdp.profiling.tracer import OpTally
+from lightning_osdp.profiling.tracer import ComputeKernel, OpTally
 
 __all__ = ["DeviceRates", "measure_copy_bandwidth", "measure_device_rates"]
 
@@ -36,9 +54,29 @@ _CACHE: dict[tuple[Any, ...], DeviceRates] = {}
 _COPY_CACHE: dict[tuple[str, int, int], float] = {}
 
 
+#: One published point of a fused attention kernel's rate: (causal, head size, key length, FLOP/s), the FLOPs counted
+#: as the tracer counts them (causal attention at its real work).
+AttentionRate = tuple[bool, int, int, float]
+
+
 @dataclass(frozen=True)
 class DeviceRates:
-    """Measured speeds of one device for one dtype (see the module docstring)."""
+    """Speeds of one device for one dtype: measured here (see the module docstring), or a target's built-in figures.
+
+    Attributes:
+        device, dtype: what they are of.
+        matmul_op_seconds: per-operator cost of a compute-bound operator (launch and tail).
+        matmul_flops_per_second: the matrix-product rate (with ``matmul_roofline``, the ceiling of large products).
+        memory_op_seconds: per-operator cost of a memory-bound operator.
+        memory_bytes_per_second: the memory rate of memory-bound operators (and the roofline's slope).
+        matmul_roofline: price each compute-bound operator on the roofline of its own shape (see [Note: rates by
+            shape]); false: every one at ``matmul_flops_per_second``.
+        attention_flops_per_second: published rates of the device's fused attention kernel (see
+            :data:`AttentionRate`); empty: attention at the matrix-product rate.
+        collective_compute_share: the share of the device's compute that a collective's kernels occupy while they
+            run beside compute (their thread blocks hold that many of the multiprocessors; see
+            ``cost_model/config.py`` [Note: the target's figures]); 0: none, or not known.
+    """
 
     device: str
     dtype: str
@@ -46,18 +84,69 @@ class DeviceRates:
     matmul_flops_per_second: float
     memory_op_seconds: float
     memory_bytes_per_second: float
+    matmul_roofline: bool = False
+    attention_flops_per_second: tuple[AttentionRate, ...] = ()
+    collective_compute_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        # From JSON the points come back as lists.
+        points = tuple((bool(c), int(d), int(n), float(r)) for c, d, n, r in self.attention_flops_per_second)
+        object.__setattr__(self, "attention_flops_per_second", points)
 
     def seconds(self, tally: OpTally) -> float:
         """Estimated time of the operators in ``tally``."""
-        return (
-            tally.matmul_ops * self.matmul_op_seconds
-            + tally.matmul_flops / self.matmul_flops_per_second
-            + tally.memory_ops * self.memory_op_seconds
-            + tally.memory_bytes / self.memory_bytes_per_second
-        )
+        memory = tally.memory_ops * self.memory_op_seconds + tally.memory_bytes / self.memory_bytes_per_second
+        if not tally.kernels or not (self.matmul_roofline or self.attention_flops_per_second):
+            matmuls = tally.matmul_ops * self.matmul_op_seconds + tally.matmul_flops / self.matmul_flops_per_second
+            return matmuls + memory
+        ops, flops, seconds = 0, 0, 0.0
+        for kernel, count in tally.kernels.items():
+            ops += count
+            flops += kernel.flops * count
+            seconds += count * (self.matmul_op_seconds + self.kernel_seconds(kernel))
+        # A tally's totals beyond its kernels (one made by hand) at the flat rate.
+        rest = max(tally.matmul_ops - ops, 0) * self.matmul_op_seconds
+        rest += max(tally.matmul_flops - flops, 0) / self.matmul_flops_per_second
+        return seconds + rest + memory
+
+    def kernel_seconds(self, kernel: ComputeKernel) -> float:
+        """One compute-bound operator's time beyond its per-operator cost (see [Note: rates by shape])."""
+        rate = self.matmul_flops_per_second
+        if kernel.kind == "attention" and self.attention_flops_per_second:
+            rate = self.attention_rate(kernel.seq_len, kernel.head_dim, kernel.causal)
+        compute = kernel.flops / rate
+        if not self.matmul_roofline:
+            return compute
+        return max(compute, kernel.bytes / self.memory_bytes_per_second)
+
+    def attention_rate(self, seq_len: int, head_dim: int, causal: bool) -> float:
+        """The fused attention kernel's rate at ``seq_len`` keys of ``head_dim``, from the published points of the
+        same causality (any, if none is) and the nearest head size, interpolated in log2 of the key length."""
+        points = [p for p in self.attention_flops_per_second if p[0] == causal] or list(self.attention_flops_per_second)
+        if not points:
+            return self.matmul_flops_per_second
+        dim = min({p[1] for p in points}, key=lambda d: (abs(d - head_dim), -d))
+        curve = sorted((n, r) for _, d, n, r in points if d == dim)
+        x = math.log2(max(seq_len, 1))
+        if x <= math.log2(curve[0][0]):
+            return curve[0][1]
+        for (n0, r0), (n1, r1) in itertools.pairwise(curve):
+            x0, x1 = math.log2(n0), math.log2(n1)
+            if x <= x1:
+                return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+        return curve[-1][1]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON takes them; the shape model's only when set, so that a file of measured rates is the
+        same as before it existed."""
+        data = asdict(self)
+        for name in _SHAPE_MODEL_FIELDS:
+            if not data[name]:  # false, no points, a share of 0: the defaults
+                del data[name]
+        return data
+
+
+_SHAPE_MODEL_FIELDS = ("matmul_roofline", "attention_flops_per_second", "collective_compute_share")
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:

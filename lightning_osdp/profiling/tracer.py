@@ -39,7 +39,22 @@ node owned by a module starts.
 so the counts are the ones ``FlopCounterMode`` reports, with the CPU's fused attention given the formula of the
 GPU's, :func:`cpu_attention_flop_formulas`), and an operator without a FLOP formula is tallied as
 memory-bound by the bytes of its tensor arguments and results (views move nothing; gathers read only what they
-return). The estimated mode turns these tallies into times.
+return). Each operator with a FLOP formula is also kept as a :class:`ComputeKernel` (its FLOPs, the bytes it reads
+and writes, and for attention its key length, head size and causality), so that a rate may depend on the shape
+(``rates.py``). Causal attention is charged at the work its fused kernels do (see [Note: causal attention]). The
+estimated mode turns these tallies into times.
+
+[Note: causal attention]
+``torch.utils.flop_counter`` charges ``scaled_dot_product_attention`` as full attention whatever ``is_causal``
+says (``sdpa_flop``: "We aren't accounting for causal attention here"). The fused kernels skip the blocks above
+the diagonal: FlashAttention-2 and torch's flash kernels (CUDA and the CPU's, ``FlashAttentionKernel.cpp``) and the
+memory-efficient kernel with its causal mask type stop each query block's loop at the diagonal, so a causal
+``s_q x s_k`` attention does the work of ``sum_i min(i + 1, s_k)`` of its ``s_q * s_k`` scores: about half
+(FlashAttention's own benchmarks count causal attention at half the FLOPs, ``benchmarks/benchmark_flash_attention.py``).
+Every attention operator that takes ``is_causal`` (or the memory-efficient kernel's ``custom_mask_type``) is charged
+that fraction of the counter's formula, forward and backward. An explicit causal ``attn_mask`` is charged in full:
+flash attention takes no mask, so SDPA runs a masked call on the memory-efficient kernel (an additive bias over
+every block) or the math path, both of which compute every score whatever the mask holds.
 
 On CUDA the clock synchronises the device before reading the time, so each interval holds its own kernels.
 """
@@ -64,11 +79,13 @@ if TYPE_CHECKING:
     from lightning_osdp.profiling.loss_region import LossRegionRecorder
 
 __all__ = [
+    "ComputeKernel",
     "ModuleRecord",
     "ModuleTracer",
     "OpTally",
     "StepRecord",
     "TensorSpec",
+    "causal_fraction",
     "cpu_attention_flop_formulas",
     "storage_keys",
 ]
@@ -105,6 +122,81 @@ _SAME_FLOPS_AS = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
 }
+
+
+# Attention operators (forward and backward) by the layout of their query/key: (batch, heads, seq, dim) for the SDPA
+# family, (batch, seq, heads, dim) for the kernels' own entry points.
+_ATTENTION_BHSD = {
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_cudnn_attention_backward,
+}
+_ATTENTION_BSHD = {
+    aten._flash_attention_forward,
+    aten._flash_attention_backward,
+    aten._efficient_attention_forward,
+    aten._efficient_attention_backward,
+}
+
+
+@dataclass(frozen=True)
+class ComputeKernel:
+    """One operator with a FLOP formula, as a shape-dependent rate needs it (see ``rates.py``).
+
+    Attributes:
+        kind: ``"matmul"`` (matrix products, convolutions) or ``"attention"`` (a fused attention kernel).
+        flops: its FLOPs (causal attention at its real work, see [Note: causal attention]).
+        bytes: bytes of its tensor arguments and results (what it reads and writes at least once).
+        seq_len: attention only: the key length.
+        head_dim: attention only: the head size.
+        causal: attention only: whether it skips the blocks above the diagonal.
+    """
+
+    kind: str
+    flops: int
+    bytes: int
+    seq_len: int = 0
+    head_dim: int = 0
+    causal: bool = False
+
+
+def causal_fraction(seq_q: int, seq_k: int) -> float:
+    """The share of the ``seq_q x seq_k`` scores a causal attention computes (query ``i`` sees keys ``0..i``, the
+    top-left alignment of ``is_causal``; see [Note: causal attention])."""
+    if seq_q <= 0 or seq_k <= 0:
+        return 1.0
+    if seq_q <= seq_k:
+        return (seq_q + 1) / (2 * seq_k)
+    return (seq_k * (seq_k + 1) / 2 + (seq_q - seq_k) * seq_k) / (seq_q * seq_k)
+
+
+def _named_arguments(func: Any, args: Any, kwargs: Any) -> dict[str, Any]:
+    names = [a.name for a in func._schema.arguments]
+    named = dict(zip(names, args, strict=False))
+    named.update(kwargs)
+    return named
+
+
+def _attention_shape(func: Any, packet: Any, args: Any, kwargs: Any) -> tuple[int, int, int, bool] | None:
+    """``(seq_q, seq_k, head_dim, causal)`` of an attention operator, ``None`` for any other (or unsized) one."""
+    if packet not in _ATTENTION_BHSD and packet not in _ATTENTION_BSHD:
+        return None
+    named = _named_arguments(func, args, kwargs)
+    query, key = named.get("query"), named.get("key")
+    if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() != 4 or key.dim() != 4:
+        return None
+    seq_axis = 2 if packet in _ATTENTION_BHSD else 1
+    # The memory-efficient kernel's entry points take a mask type: 0 is none, 1 and 2 causal (top left, bottom right).
+    causal = bool(named["is_causal"]) if "is_causal" in named else bool(named.get("custom_mask_type") or 0)
+    seq_q, seq_k, dim = _static(query.shape[seq_axis]), _static(key.shape[seq_axis]), _static(query.shape[-1])
+    if seq_q is None or seq_k is None or dim is None:
+        return None
+    return seq_q, seq_k, dim, causal
 
 
 def cpu_attention_flop_formulas() -> dict[Any, Any]:
@@ -146,18 +238,23 @@ def storage_keys(tensors: Iterable[Any]) -> set[int]:
 
 @dataclass
 class OpTally:
-    """Operators run in one region of a step: compute-bound ones by FLOPs, memory-bound ones by bytes moved."""
+    """Operators run in one region of a step: compute-bound ones by FLOPs, memory-bound ones by bytes moved, and the
+    compute-bound ones one by one (``kernels``: how many times each shape ran), for rates that depend on the shape.
+    ``kernels`` may be empty (a tally made by hand): the totals are what every rate reads first."""
 
     matmul_ops: int = 0
     matmul_flops: int = 0
     memory_ops: int = 0
     memory_bytes: int = 0
+    kernels: dict[ComputeKernel, int] = field(default_factory=dict)
 
     def __iadd__(self, other: OpTally) -> OpTally:
         self.matmul_ops += other.matmul_ops
         self.matmul_flops += other.matmul_flops
         self.memory_ops += other.memory_ops
         self.memory_bytes += other.memory_bytes
+        for kernel, count in other.kernels.items():
+            self.kernels[kernel] = self.kernels.get(kernel, 0) + count
         return self
 
 
@@ -243,10 +340,23 @@ class _OpRecorder(TorchDispatchMode):
             flops = _static(self.registry[packet](*args, **kwargs, out_val=out))
             if flops is None:
                 self.tracer._unsized += 1
-            self.tracer._record_op(flops or 0, 0)
+            flops = flops or 0
+            attention = _attention_shape(func, packet, args, kwargs)
+            if attention is None:
+                kernel = ComputeKernel("matmul", flops, _tensor_bytes(args, kwargs, out))
+            else:
+                seq_q, seq_k, head_dim, causal = attention
+                if causal:  # [Note: causal attention]
+                    flops = round(flops * causal_fraction(seq_q, seq_k))
+                kernel = ComputeKernel("attention", flops, _tensor_bytes(args, kwargs, out), seq_k, head_dim, causal)
+            self.tracer._record_op(flops, 0, kernel)
         else:
             self.tracer._record_op(0, _traffic(func, packet, args, kwargs, out))
         return out
+
+
+def _tensor_bytes(args: Any, kwargs: Any, out: Any) -> int:
+    return sum(_nbytes(t) for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor))
 
 
 def _traffic(func: Any, packet: Any, args: Any, kwargs: Any, out: Any) -> int:
@@ -477,7 +587,7 @@ class ModuleTracer:
         return t
 
     # ---------------------------------------------------------------- operators
-    def _record_op(self, flops: int, traffic: int) -> None:
+    def _record_op(self, flops: int, traffic: int, kernel: ComputeKernel | None = None) -> None:
         record = self._record
         if record is None:
             return
@@ -494,6 +604,8 @@ class ModuleTracer:
         if flops:
             tally.matmul_ops += 1
             tally.matmul_flops += flops
+            if kernel is not None:
+                tally.kernels[kernel] = tally.kernels.get(kernel, 0) + 1
         else:
             tally.memory_ops += 1
             tally.memory_bytes += traffic
