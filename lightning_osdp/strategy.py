@@ -45,7 +45,7 @@ from lightning_osdp._compat import (
     sync_ddp_if_available,
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan, no_gradient_sync
-from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
+from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters, still_uninitialized
 from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.distributed import from_rank_zero
@@ -497,14 +497,7 @@ class OSDPStrategy(ParallelStrategy):
                 ),
                 device=self.root_device,
             )
-            if self._pretrained is not None and fit_ckpt_path(trainer) is None:
-                loaded = osdp_checkpoint.load_pretrained(
-                    module,
-                    self._pretrained,
-                    prefix=self._pretrained_prefix,
-                    strict=bool(getattr(module, "strict_loading", True)),
-                )
-                rank_zero_info(f"OSDP: {loaded.describe()}")
+            self._initialize(module, self._root, resuming=fit_ckpt_path(trainer) is not None)
             # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
             object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
             self.model = self._root
@@ -552,6 +545,28 @@ class OSDPStrategy(ParallelStrategy):
         assert self._memory_budget is not None
         budget = planned_budget(self._memory_budget, self._memory_headroom)
         return predict(profile, plan, self.topology).peak_bytes <= budget
+
+    def _initialize(self, module: pl.LightningModule, root: OSDPModule | ReplicatedModule, *, resuming: bool) -> None:
+        """Pretrained weights into the shards (unless resuming: the checkpoint holds the weights), and a warning for
+        what neither a module's ``reset_parameters()`` nor the weights initialized (docs/large-models.md)."""
+        missing: set[str] | None = None
+        if self._pretrained is not None and not resuming:
+            loaded = osdp_checkpoint.load_pretrained(
+                module,
+                self._pretrained,
+                prefix=self._pretrained_prefix,
+                strict=bool(getattr(module, "strict_loading", True)),
+            )
+            rank_zero_info(f"OSDP: {loaded.describe()}")
+            missing = set(loaded.missing)
+        unfilled = still_uninitialized(module, root.uninitialized, missing) if not resuming else []
+        if unfilled:
+            rank_zero_warn(
+                "OSDP: the model was built on the meta device and these modules have parameters or buffers that no "
+                f"reset_parameters() initialized: {', '.join(unfilled)}. Their memory is uninitialized: define "
+                "reset_parameters() on them, init_weights() on the model, or start from pretrained weights "
+                "(OSDPStrategy(pretrained=...)); see docs/large-models.md"
+            )
 
     def _attach_monitor(self, trainer: pl.Trainer) -> None:
         """The run's :class:`~lightning_osdp.monitor.OSDPMonitor`, among the Trainer's callbacks before its checkpoint

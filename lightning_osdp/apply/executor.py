@@ -42,7 +42,6 @@ still reduces the plain ``no_shard`` parameters over the world, and ignores the 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -94,6 +93,8 @@ class OSDPModule(nn.Module):
         self.plan = plan
         #: Rank 0's buffers broadcast before training forwards, when no DDP does it (see ``apply/buffers.py``).
         self.buffer_broadcast: BufferBroadcast | None = None
+        #: Modules of a meta model that materialization left uninitialized (no ``reset_parameters()``).
+        self.uninitialized: list[str] = []
 
     @property
     def module(self) -> nn.Module:
@@ -124,6 +125,8 @@ class ReplicatedModule(DistributedDataParallel):
             find_unused_parameters=find_unused_parameters,
         )
         self.plan = plan
+        #: Modules of a meta model that materialization left uninitialized (no ``reset_parameters()``).
+        self.uninitialized: list[str] = []
 
     @property
     def sharded(self) -> OSDPModule | None:
@@ -213,9 +216,10 @@ def apply_plan(
     # Before FSDP2 and DDP: their hooks then sit around the checkpointed forward (see apply/recompute.py).
     recompute_modules(module, [name for name, d in plan.decisions.items() if d.recompute])
     if all(d.mode == "no_shard" for d in plan.decisions.values()):
-        if meta:
-            _materialize(module, device)
-        return ReplicatedModule(module, plan, mesh, find_unused_parameters=find_unused_parameters)
+        uninitialized = materialize(module, device) if meta and device is not None else []
+        replicated = ReplicatedModule(module, plan, mesh, find_unused_parameters=find_unused_parameters)
+        replicated.uninitialized = uninitialized
+        return replicated
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -254,13 +258,15 @@ def apply_plan(
         # Its forward is the whole step: it ends with the root's, which frees the buffer anyway.
         shard(root.root_unit, [], root_mode, releases=False)
     shard(root, [], "shard_grad_op", releases=False)  # parameter-less: only the root hooks
-    if meta:
-        _materialize(module, device)
+    uninitialized = materialize(module, device) if meta and device is not None else []
     if any(p.requires_grad for p in plain):
         # DDP broadcasts the buffers of the whole model.
-        return ReplicatedModule(root, plan, mesh, find_unused_parameters=find_unused_parameters)
+        replicated = ReplicatedModule(root, plan, mesh, find_unused_parameters=find_unused_parameters)
+        replicated.uninitialized = uninitialized
+        return replicated
     root.buffer_broadcast = BufferBroadcast(module, mesh.get_group())
     root.buffer_broadcast.attach(root)
+    root.uninitialized = uninitialized
     return root
 
 
@@ -283,19 +289,6 @@ def no_gradient_sync(model: OSDPModule | ReplicatedModule) -> Generator[None, No
                 sharded.set_requires_gradient_sync(True)  # type: ignore[operator]
             if broadcast is not None:
                 broadcast.require_backward_grad_sync = True
-
-
-def _materialize(module: nn.Module, device: torch.device | None) -> None:
-    assert device is not None
-    uninitialized = materialize(module, device)
-    if uninitialized:
-        warnings.warn(
-            "OSDP: the model was built on the meta device and these modules have parameters or buffers but no "
-            f"reset_parameters() to initialize them: {', '.join(uninitialized)}. Their memory is uninitialized: define "
-            "reset_parameters() on them, init_weights() on the model, or load pretrained weights "
-            "(OSDPStrategy(pretrained=...)); see docs/large-models.md",
-            stacklevel=3,
-        )
 
 
 def _bottom_up(units: Sequence[CommunicationUnit]) -> list[CommunicationUnit]:

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_osdp._compat import module_apply
 from lightning_osdp.apply.split import SplitLinear
 
-__all__ = ["assign_full", "has_meta_tensors", "materialize", "meta_parameters"]
+__all__ = ["assign_full", "has_meta_tensors", "materialize", "meta_parameters", "still_uninitialized"]
 
 
 @contextmanager
@@ -131,8 +131,8 @@ def _reset_split(split: SplitLinear) -> None:
 def materialize(module: nn.Module, device: torch.device) -> list[str]:
     """Allocate ``module``'s meta tensors on ``device`` (each rank only its shards of sharded parameters) and initialize
     them as the unsharded model would be (see [Note: initialization equal to the unsharded model's]): every module
-    with a meta tensor of its own runs its ``reset_parameters()``. Returns the types of those without one (left
-    uninitialized).
+    with a meta tensor of its own runs its ``reset_parameters()``. Returns the names of those without one (left
+    uninitialized: :func:`still_uninitialized` says which of them pretrained weights did not cover).
 
     Real tensors (the buffers :func:`meta_parameters` keeps, see [Note: buffers stay real]) are moved to ``device``
     as they are. Call it after the plan is applied (FSDP2 has sharded the sharded units) and before DDP wraps the
@@ -147,7 +147,7 @@ def materialize(module: nn.Module, device: torch.device) -> list[str]:
     inside_splits = {id(m) for split in module.modules() if isinstance(split, SplitLinear) for m in split.slices}
     initialized: set[int] = set()  # parameters a module's reset_parameters() already drew (tied ones: once)
     uninitialized: list[str] = []
-    for submodule in module.modules():
+    for name, submodule in module.named_modules():
         if id(submodule) in inside_splits:
             continue  # initialized by their SplitLinear
         if isinstance(submodule, SplitLinear):
@@ -175,9 +175,28 @@ def materialize(module: nn.Module, device: torch.device) -> list[str]:
                         value.to_local() if isinstance(value, DTensor) else value
                     )
             initialized.update(id(p) for p in own.values())
-        elif type(submodule).__name__ not in uninitialized:
-            uninitialized.append(type(submodule).__name__)
+        else:
+            uninitialized.append(name)
     init_weights = getattr(module, "init_weights", None)
     if callable(init_weights):
         init_weights()
+        return []  # the model's own hook answers for what it initializes
     return uninitialized
+
+
+def still_uninitialized(module: nn.Module, names: list[str], missing: set[str] | None) -> list[str]:
+    """Of the modules ``names`` (left uninitialized by :func:`materialize`), the types of those with a parameter or
+    buffer that pretrained weights did not fill: ``missing`` are the model's state-dict keys they lacked (``None``: no
+    pretrained weights were read, so all of them). A non-persistent buffer is in no checkpoint: it counts as unfilled.
+    """
+    state_keys = set(module.state_dict(keep_vars=True)) if missing is not None else set()
+    types: list[str] = []
+    for name in names:
+        sub = module.get_submodule(name)
+        prefix = f"{name}." if name else ""
+        own = itertools.chain(sub.named_parameters(recurse=False), sub.named_buffers(recurse=False))
+        keys = [prefix + k for k, _ in own]
+        unfilled = missing is None or any(k not in state_keys or k in missing for k in keys)
+        if unfilled and type(sub).__name__ not in types:
+            types.append(type(sub).__name__)
+    return types
