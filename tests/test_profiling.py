@@ -597,3 +597,64 @@ def test_a_block_whose_arguments_cannot_be_rebuilt_keeps_its_estimated_times() -
     assert set(result.info["blocks"]["skipped"]) == {"blocks.0", "blocks.1"}
     assert "Cache cannot be rebuilt" in result.info["blocks"]["skipped"]["blocks.0"]
     assert result.modules["blocks.0.lin"].fwd_seconds > 0  # from its FLOPs
+
+
+@pytest.mark.parametrize("example", ["gpt", "llama"])
+def test_an_estimated_profile_of_a_deep_model_traced_on_two_blocks_equals_the_whole_trace(
+    example: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from lightning_osdp.profiling import profiler
+    from lightning_osdp.profiling.rates import DeviceRates
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples" / example))
+    rates = DeviceRates("cuda", "float32", 1e-5, 1e12, 1e-5, 1e11)
+    with torch.device("meta"):
+        if example == "gpt":
+            from gpt import GPTModule
+
+            model: nn.Module = GPTModule(vocab_size=256, context_length=64, width=64, depth=6, heads=4)
+        else:
+            from llama import LlamaModule
+
+            model = LlamaModule(vocab_size=256, context_length=64, dim=64, n_layers=5, n_heads=4, n_kv_heads=2)
+    batch = torch.randint(0, 256, (2, 65))
+    kwargs: dict[str, Any] = {"mode": "estimated", "rates": rates, "copy_bytes_per_second": 1e10}
+    cut = profile(model, batch, optimizer=torch.optim.AdamW, **kwargs)
+    assert "extrapolated from traces of 1 and 2" in cut.info["depth"]
+    monkeypatch.setattr(profiler, "find_repeated_blocks", lambda module: None)
+    whole = profile(model, batch, optimizer=torch.optim.AdamW, **kwargs)
+    assert "depth" not in whole.info
+    assert set(cut.modules) == set(whole.modules) and cut.forward_order == whole.forward_order
+    for name, w in whole.modules.items():
+        assert dataclasses_dict(cut.modules[name]) == pytest.approx(dataclasses_dict(w), rel=1e-9), name
+    for field in ("extra_activation_bytes", "step_overhead_seconds", "optimizer_step_seconds", "optim_state_factor"):
+        assert getattr(cut, field) == pytest.approx(getattr(whole, field), rel=1e-9), field
+    assert cut.loss == whole.loss
+
+
+def dataclasses_dict(m: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if isinstance(getattr(m, f.name), (int, float))}
+
+
+def test_a_forward_that_indexes_its_blocks_by_count_is_traced_whole() -> None:
+    from lightning_osdp.profiling.rates import DeviceRates
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(5)])
+
+        def forward(self, x: Tensor) -> Tensor:
+            for i in range(5):
+                x = self.blocks[i](x)
+            return x
+
+    rates = DeviceRates("cuda", "float32", 1e-5, 1e12, 1e-5, 1e11)
+    result = profile(Counted(), torch.randn(2, 8), mode="estimated", rates=rates, copy_bytes_per_second=1e10)
+    assert "depth" not in result.info and len([n for n in result.modules if n.startswith("blocks.")]) == 5

@@ -132,13 +132,19 @@ def _constructor_kwargs(cls: type[Optimizer], defaults: dict[str, Any]) -> dict[
 
 
 def rebuild_optimizers(
-    spec: OptimizerSpec | None, param_names: dict[int, str], work: nn.Module, model_name: str = "the model"
+    spec: OptimizerSpec | None,
+    param_names: dict[int, str],
+    work: nn.Module,
+    model_name: str = "the model",
+    *,
+    partial: bool = False,
 ) -> list[Optimizer]:
     """Optimizers of the same types and hyperparameters as ``spec``, over ``work``'s parameters.
 
     ``work`` is the copy of the user's model that profiling runs (the same module names); ``param_names`` maps
     ``id()`` of each of the user's parameters to its name, so that an instance built on the user's parameters is
-    rebuilt on the copy's parameters of the same names.
+    rebuilt on the copy's parameters of the same names. ``partial``: ``work`` lacks some of the model's parameters (a
+    copy with its repeated blocks cut, ``repeats.py``), which the rebuilt optimizers leave out.
     """
     trainable: list[nn.Parameter] = []
     seen: set[int] = set()
@@ -159,18 +165,25 @@ def rebuild_optimizers(
         if strangers:
             raise ProfilingError(f"optimizer list holds {strangers}, not torch Optimizers")
         by_name = dict(work.named_parameters(remove_duplicate=False))
-        mapping = {key: by_name[name] for key, name in param_names.items()}
-        return [_rebuild(optimizer, mapping, model_name) for optimizer in instances]
+        mapping = {key: by_name[name] for key, name in param_names.items() if not partial or name in by_name}
+        absent = {key for key, name in param_names.items() if name not in by_name}
+        return [_rebuild(optimizer, mapping, model_name, absent=absent) for optimizer in instances]
     if callable(spec):
         factory = spec
         return [_build(getattr(factory, "__name__", "optimizer factory"), lambda: factory(trainable))]
     raise ProfilingError(f"optimizer must be an Optimizer, a list of them, a class or a factory, not {spec!r}")
 
 
-def _rebuild(optimizer: Optimizer, mapping: dict[int, nn.Parameter], model_name: str) -> Optimizer:
+def _rebuild(
+    optimizer: Optimizer,
+    mapping: dict[int, nn.Parameter],
+    model_name: str,
+    *,
+    absent: set[int] | frozenset[int] = frozenset(),
+) -> Optimizer:
     groups = []
     for group in optimizer.param_groups:
-        params = group["params"]
+        params = [p for p in group["params"] if id(p) not in absent]  # the model's, cut from the copy
         missing = [i for i, p in enumerate(params) if id(p) not in mapping]
         if missing:
             raise ProfilingError(

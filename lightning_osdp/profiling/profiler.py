@@ -71,6 +71,7 @@ from lightning_osdp.profiling.optimizer_state import (
 )
 from lightning_osdp.profiling.parameters import account_parameters, grad_bytes_by_module
 from lightning_osdp.profiling.rates import DeviceRates, measure_copy_bandwidth, measure_device_rates
+from lightning_osdp.profiling.repeats import RepeatedBlocks, find_repeated_blocks, traced_by_depth
 from lightning_osdp.profiling.replica import fake_replica, measured_replica
 from lightning_osdp.profiling.step import LossFn, StepRunner, describe_batch, is_lightning_module
 from lightning_osdp.profiling.timing import device_clock, no_gc
@@ -550,8 +551,9 @@ class _Traced:
     peak_bytes: int
 
 
-def _trace(request: _Request, *, fake: bool) -> _Traced:
-    """The traced step on a copy of the model (fake tensors when ``fake``); when not ``fake``, timed steps too."""
+def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | None = None) -> _Traced:
+    """The traced step on a copy of the model (fake tensors when ``fake``); when not ``fake``, timed steps too. ``cut``:
+    the copy's list of repeated blocks cut to that many (see ``repeats.py`` [Note: depth by extrapolation])."""
     target, name = request.target, request.name
     info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": request.repeats}
     rng_devices = (
@@ -572,13 +574,15 @@ def _trace(request: _Request, *, fake: bool) -> _Traced:
                 size = max(min(size, request.available_memory // 8), 64 << 10)
             copy_rate = measure_copy_bandwidth(target, size)
         work, batch = _replica(stack, request, fake)
+        if cut is not None:
+            cut[0].cut(work, cut[1])
         runner = StepRunner(
             work, batch, loss_fn=request.loss_fn, step_context=request.step_context, name=name, step=request.step
         )
         stack.enter_context(runner.quiet_logging())
         if fake:
             stack.enter_context(runner.quiet_metrics())
-        optimizers = rebuild_optimizers(request.spec, request.param_names, work, name)
+        optimizers = rebuild_optimizers(request.spec, request.param_names, work, name, partial=cut is not None)
         session = _Session(work, runner, optimizers, target, fake)
         if runner.manual:
             stack.enter_context(
@@ -659,6 +663,14 @@ def _profile_locally(request: _Request) -> ModelProfile:
     """This rank's profile of the model, without collectives (see [Note: measured and estimated])."""
     if request.mode == "measured":
         return _trace(request, fake=False).profile
+    if request.mode == "estimated":
+        repeated = find_repeated_blocks(request.module)
+
+        def estimated(keep: int | None) -> ModelProfile:
+            cut = (repeated, keep) if repeated is not None and keep is not None else None
+            return _timed_from_rates(_trace(request, fake=True, cut=cut), request, blocks=False)
+
+        return traced_by_depth(estimated, repeated)
     traced = _trace(request, fake=True)
     if request.mode != "auto":
         return _timed_from_rates(traced, request, blocks=request.mode == "blocks")
