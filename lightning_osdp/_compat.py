@@ -57,7 +57,7 @@ if TYPE_CHECKING:
         _SubprocessScriptLauncher as SubprocessScriptLauncher,
     )
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.checkpoint import FileSystemWriter, StorageReader
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader
     from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -70,6 +70,7 @@ __all__ = [
     "WorkerOutput",
     "dcp_chunk_list",
     "dcp_load_into_empty",
+    "dcp_reader_file_system",
     "dcp_writer_file_system",
     "ddp_ignore_parameters",
     "disable_current_modes",
@@ -218,6 +219,20 @@ def dcp_writer_file_system(writer: FileSystemWriter, replace_with: FileSystem | 
     if replace_with is not None:
         writer.fs = replace_with
     return writer.fs
+
+
+def dcp_reader_file_system(reader: FileSystemReader, replace_with: FileSystem | None = None) -> Any:
+    """The file system ``reader`` opens every file through (``create_stream``), after replacing it with
+    ``replace_with`` when given.
+
+    ``FileSystemReader.fs`` (2.9-2.13), as :func:`dcp_writer_file_system` for the writer. OSDP puts a file system
+    there that opens each file relative to the checkpoint directory it holds open, never through a link
+    (``checkpoint/files.py``); ``tests/test_checkpoint_hostile.py`` checks that every file DCP reads is opened
+    through it.
+    """
+    if replace_with is not None:
+        reader.fs = replace_with
+    return reader.fs
 
 
 # ------------------------------------------------------------------------------------------------ Lightning
