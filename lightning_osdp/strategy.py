@@ -460,6 +460,8 @@ class OSDPStrategy(ParallelStrategy):
             self._root, self._plan = existing, existing.plan
             self.model = existing
         else:
+            if self._plan is not None:
+                self._plan.validate(module)  # a given plan that does not fit fails before anything is changed
             if self._memory_budget is None:
                 self._memory_budget = device_memory_capacity(self.root_device, self.num_processes)
             # Cast before sharding so that FSDP2 shards parameters of their final dtype (bf16-true).
