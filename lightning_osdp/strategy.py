@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
-from lightning_osdp import options
+from lightning_osdp import options, preemption
 from lightning_osdp._compat import (
     fit_ckpt_path,
     fit_train_dataloader,
@@ -445,6 +445,7 @@ class OSDPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        preemption.install(trainer)  # before Lightning registers its SIGTERM handler (lightning_osdp/preemption.py)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
@@ -647,6 +648,7 @@ class OSDPStrategy(ParallelStrategy):
         self._start_step()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._end_step()
+        preemption.after_optimizer_step(self.lightning_module.trainer if self.lightning_module else None)
         return output
 
     def _start_step(self) -> None:
