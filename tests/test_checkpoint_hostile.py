@@ -138,6 +138,27 @@ def test_a_checkpoint_path_that_is_itself_a_link_loads(saved: Saved, tmp_path: P
     assert ckpt.load_checkpoint(tmp_path / "last-full.ckpt")["global_step"] == 3
 
 
+def test_dcp_reads_every_shard_through_the_open_directory(tmp_path: Path) -> None:
+    """DCP's reader opens files through its file system (``FileSystemReader.fs``, not a documented extension point,
+    fenced in ``_compat.dcp_reader_file_system``): OSDP's opens each shard by name relative to the open checkpoint
+    directory. If a torch release stops reading through it, shards would be opened by path again: this fails."""
+    path = tmp_path / "last.ckpt"
+    save_generation(path, 1)
+    opened: list[str] = []
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and isinstance(args[0], (str, bytes, Path)) and "distcp" in os.fsdecode(args[0]):
+            opened.append(os.fsdecode(args[0]))
+
+    HOOKS.append(hook)
+    try:
+        tensors = ckpt.read_sharded_tensors(path)["state_dict"]
+    finally:
+        HOOKS.remove(hook)
+    assert set(tensors) == set(generation_model(0).state_dict())
+    assert opened and all(name == "__0_0.distcp" for name in opened), opened
+
+
 # ============================================================================================== torn reads
 def consistent(checkpoint: dict[str, Any], model: nn.Module) -> int:
     """The generation a loaded checkpoint holds; raises if its parts come from different generations."""
