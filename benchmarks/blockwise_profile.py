@@ -56,9 +56,8 @@ def main() -> None:
         for f in BYTES
     )
     print(f"bytes of every module identical: {same}; blocks timed: {profiles['blocks'].info['blocks']['timed']}")
-    print(
-        f"{'block':16} {'measured ms (fastest/median)':>30} {'blocks ms (fastest/median)':>28} {'ratio fastest':>14} {'ratio median':>13} {'A/A':>6}"
-    )
+    columns = ("measured ms (fastest/median)", "blocks ms (fastest/median)", "ratio fastest", "ratio median", "A/A")
+    print(f"{'block':16} {columns[0]:>30} {columns[1]:>28} {columns[2]:>14} {columns[3]:>13} {columns[4]:>6}")
     for i, block in enumerate(blocks):
         m = [r[i] for r in times["measured"]]
         b = [r[i] for r in times["blocks"]]

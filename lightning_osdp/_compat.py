@@ -7,10 +7,10 @@ package imports it from here. ``tests/test_compat.py`` checks each by name (it e
 and runs it where that is cheap, so an upgrade that moves one fails there, naming it, instead of in a training run
 far from the cause. Besides the names below, OSDP overrides or calls a few private hooks of the classes it extends,
 which cannot move here: Lightning's ``Strategy._configure_launcher``, ``Strategy._launcher``,
-``Strategy._reset_optimizers_and_schedulers`` and ``_MultiProcessingLauncher._collect_rank_zero_results``
-(``strategy.py``, ``launcher.py``), torch's ``ShardedGradScaler._unscale_grads_`` (``precision.py``); and it relies on
-``Strategy._forward_redirection`` routing ``training_step`` through the FSDP2 root's forward. The tests check those
-too.
+``Strategy._reset_optimizers_and_schedulers`` and ``_MultiProcessingLauncher._collect_rank_zero_results``,
+``_wrapping_function`` and ``_recover_results_in_main_process`` (``strategy.py``, ``launcher.py``), torch's
+``ShardedGradScaler._unscale_grads_`` (``precision.py``); and it relies on ``Strategy._forward_redirection`` routing
+``training_step`` through the FSDP2 root's forward. The tests check those too.
 
 Sources read: torch 2.9.0, 2.10.0, 2.11.0, 2.12.0 and 2.13.0 ("2.9-2.13" below); Lightning 2.6.0 and 2.6.6 ("2.6").
 The test suite runs on the versions pinned in ``constraints.txt``.
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
         _SubprocessScriptLauncher as SubprocessScriptLauncher,
     )
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.checkpoint import FileSystemWriter, StorageReader
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader
     from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -72,17 +72,21 @@ __all__ = [
     "WorkerOutput",
     "dcp_chunk_list",
     "dcp_load_into_empty",
+    "dcp_reader_file_system",
     "dcp_writer_file_system",
     "ddp_ignore_parameters",
+    "default_store",
     "disable_current_modes",
     "fake_tensor_mode",
     "fit_ckpt_path",
     "fit_train_dataloader",
     "init_dist_connection",
     "is_fake",
+    "mark_sigterm",
     "module_apply",
     "optimizers_to_device",
     "preserve_version_counter",
+    "replace_sigterm_notifier",
     "set_num_threads_if_needed",
     "storage_resize_hook",
     "sync_ddp_if_available",
@@ -265,6 +269,20 @@ def dcp_writer_file_system(writer: FileSystemWriter, replace_with: FileSystem | 
     return writer.fs
 
 
+def dcp_reader_file_system(reader: FileSystemReader, replace_with: FileSystem | None = None) -> Any:
+    """The file system ``reader`` opens every file through (``create_stream``), after replacing it with
+    ``replace_with`` when given.
+
+    ``FileSystemReader.fs`` (2.9-2.13), as :func:`dcp_writer_file_system` for the writer. OSDP puts a file system
+    there that opens each file relative to the checkpoint directory it holds open, never through a link
+    (``checkpoint/files.py``); ``tests/test_checkpoint_hostile.py`` checks that every file DCP reads is opened
+    through it.
+    """
+    if replace_with is not None:
+        reader.fs = replace_with
+    return reader.fs
+
+
 # ------------------------------------------------------------------------------------------------ Lightning
 # Lightning's classes below are imported when first asked for (`from lightning_osdp._compat import X` asks), so that
 # importing this module does not import Lightning. The `TYPE_CHECKING` imports above give type checkers the same names.
@@ -360,6 +378,39 @@ def fit_train_dataloader(trainer: pl.Trainer) -> Any:
     the public ``trainer.train_dataloader`` is set by the fit loop's ``setup_data``, after ``strategy.setup``.
     """
     return trainer.fit_loop._data_source.dataloader()
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (the rendezvous ``TCPStore`` every rank is connected to).
+
+    ``torch.distributed.distributed_c10d._get_default_store`` (2.9-2.13): torch has no public accessor; torchelastic
+    and torch's own tests use this one. OSDP's ranks agree through it on when to stop after a SIGTERM without a
+    collective (``preemption.py``).
+    """
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def replace_sigterm_notifier(trainer: pl.Trainer, handler: Callable[[int, Any], None]) -> None:
+    """Make ``handler`` the SIGTERM handler Lightning registers for ``trainer``'s next run, in place of its notifier.
+
+    ``trainer._signal_connector._sigterm_notifier_fn`` (2.6): ``_SignalConnector.register_signal_handlers``, which
+    ``Trainer._run`` calls after ``strategy.setup``, composes ``self._sigterm_notifier_fn`` with any handler already
+    installed, and restores the previous handlers at teardown. Its own notifier broadcasts from the signalled rank
+    alone, which hangs every rank (``preemption.py``); an attribute on this trainer's connector takes its place.
+    """
+    trainer._signal_connector._sigterm_notifier_fn = handler  # type: ignore[method-assign, assignment]
+
+
+def mark_sigterm(trainer: pl.Trainer) -> None:
+    """Mark ``trainer`` as having received SIGTERM, as Lightning's notifier does: its loops then raise
+    ``SIGTERMException`` at the end of the current batch.
+
+    ``trainer._signal_connector.received_sigterm`` (2.6): the flag behind the public, read-only
+    ``Trainer.received_sigterm``.
+    """
+    trainer._signal_connector.received_sigterm = True
 
 
 def fit_ckpt_path(trainer: pl.Trainer) -> str | None:

@@ -5,6 +5,11 @@ Lightning's ``_MultiProcessingLauncher`` (private: see ``lightning_osdp._compat`
 load there ("Callable map_location not supported") and, for sharded units, hold only rank 0's shard. This launcher
 gathers the full, unsharded CPU state dict on every rank (a collective) and sends rank 0's copy, so the main process
 ends up with the trained weights, as it does with DDP.
+
+A run preempted by SIGTERM (every rank stops after the same step, ``lightning_osdp/preemption.py``) raises
+``SIGTERMException`` in each worker before any result is sent, and Lightning's main process would wait for rank 0's
+results forever. Rank 0 sends a marker instead, and the main process raises ``SIGTERMException`` too. (Lightning runs
+no ``on_exception`` hook in spawned workers, so a checkpoint on preemption needs ``start_method="popen"``.)
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_osdp._compat import MultiProcessingLauncher, WorkerOutput
@@ -24,7 +30,35 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 
+class _Preempted:
+    """What rank 0 sends the main process when the ranks stopped on SIGTERM: no results."""
+
+
 class _OSDPMultiProcessingLauncher(MultiProcessingLauncher):
+    @override
+    def _wrapping_function(
+        self,
+        process_idx: int,
+        trainer: Any,
+        function: Any,
+        args: Any,
+        kwargs: Any,
+        return_queue: Any,
+        global_states: Any = None,
+    ) -> None:
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        except SIGTERMException:
+            if process_idx == 0:
+                return_queue.put(_Preempted())
+            raise
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        if isinstance(worker_output, _Preempted):
+            raise SIGTERMException
+        super()._recover_results_in_main_process(worker_output, trainer)
+
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
         from lightning_osdp.strategy import OSDPStrategy

@@ -22,7 +22,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_osdp.budget import parse_memory_budget
+from lightning_osdp import budget
 from lightning_osdp.plan import MODES, Plan, PlanError
 
 __all__ = ["BF16_POLICY", "DEFAULT_TIMEOUT", "START_METHODS", "default_timeout", "planning_wait"]
@@ -105,11 +105,12 @@ def check_precision_for_policy(policy: MixedPrecisionPolicy | None, precision: s
 
 
 def check_memory_budget(value: Any) -> int | None:
-    """``None`` (the device's capacity) or bytes (see :func:`~lightning_osdp.budget.parse_memory_budget`)."""
+    """``None`` (the device's capacity) or bytes between 1 MiB and 1 EiB (see
+    :func:`~lightning_osdp.budget.check_memory_budget`, and its [Note: how a budget is spelled])."""
     if value is None:
         return None
     try:
-        return parse_memory_budget(value)
+        return budget.check_memory_budget(value)
     except ValueError as err:
         raise ValueError(f"OSDPStrategy(memory_budget=...): {err}") from None
 

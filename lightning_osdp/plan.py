@@ -173,7 +173,11 @@ class Plan:
         return iter(sorted(self.decisions.items()))
 
     def validate(self, module: nn.Module) -> None:
-        """Check the plan against ``module``; raise :class:`PlanError` naming the first bad entry."""
+        """Check the plan against ``module``; raise :class:`PlanError` naming the first bad entry: a module the model
+        does not have, a module without parameters, a split the module cannot take, a recomputed root.
+
+        Cheap and changes nothing: :class:`~lightning_osdp.OSDPStrategy` runs it first thing in ``setup``, before the
+        model is cast, moved or profiled."""
         modules = dict(module.named_modules())
         for name, decision in self.decisions.items():
             if name not in modules:
@@ -183,10 +187,24 @@ class Plan:
                     f"plan names module {name!r}, which the model does not have{hint}; names are those of "
                     "LightningModule.named_modules()"
                 )
+            if name != ROOT and next(modules[name].parameters(), None) is None:
+                raise PlanError(
+                    f"plan decides on module {name!r} ({type(modules[name]).__name__}), which holds no parameters: a "
+                    "decision says how a module's parameters are sharded or replicated, and FSDP2 cannot shard a "
+                    "module without any (a torchmetrics metric, an activation, a buffer-only module). Remove the "
+                    "decision, or put it on the module that holds the parameters"
+                )
             if decision.split > 1:
                 reason = unsplittable_reason(name, decision.split, modules)
                 if reason:
                     raise PlanError(f"module {name!r}: split={decision.split} {reason}")
+            parent = modules[name.rpartition(".")[0]] if name != ROOT else None
+            if isinstance(parent, nn.MultiheadAttention) and decision.mode != "no_shard":
+                raise PlanError(
+                    f"module {name!r}: {decision.mode} needs a module that is called, and {type(parent).__name__} "
+                    "reads its output projection's weight directly, so FSDP2's hooks on it never gather it; decide on "
+                    f"the {type(parent).__name__} ({name.rpartition('.')[0]!r}) instead"
+                )
             if decision.recompute and name == ROOT:
                 raise PlanError(
                     "the root decision '' cannot recompute: Lightning runs training_step, not the LightningModule's "

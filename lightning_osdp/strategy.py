@@ -8,7 +8,7 @@ checkpoints).
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
-from lightning_osdp import options
+from lightning_osdp import options, preemption
 from lightning_osdp._compat import (
     DDPForwardRedirection,
     fit_ckpt_path,
@@ -460,6 +460,7 @@ class OSDPStrategy(ParallelStrategy):
     def _setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
         assert self.accelerator is not None
+        preemption.install(trainer)  # before Lightning registers its SIGTERM handler (lightning_osdp/preemption.py)
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
@@ -475,6 +476,8 @@ class OSDPStrategy(ParallelStrategy):
             self._root, self._plan = existing, existing.plan
             self.model = existing
         else:
+            if self._plan is not None:
+                self._plan.validate(module)  # a given plan that does not fit fails before anything is changed
             if self._memory_budget is None:
                 self._memory_budget = device_memory_capacity(self.root_device, self.num_processes)
             # Cast before sharding so that FSDP2 shards parameters of their final dtype (bf16-true).
@@ -705,6 +708,18 @@ class OSDPStrategy(ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ steps
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        preemption.after_optimizer_step(self.lightning_module.trainer if self.lightning_module else None)
+        return output
+
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         # As Lightning's DDP strategy: a manual backward runs inside the forward (see `_forward_redirection`), before

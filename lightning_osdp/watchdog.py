@@ -48,6 +48,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lightning_osdp._compat import SubprocessScriptLauncher, set_num_threads_if_needed
@@ -102,6 +103,12 @@ def _run(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """``function(*args, **kwargs)``, recording in rank 0's watch whether it failed."""
     try:
         result = function(*args, **kwargs)
+    except SIGTERMException:
+        # Every rank stops after the same step (preemption.py): rank 0 waits for the others, as after a run that
+        # ended, since they may still be saving a checkpoint in `on_exception`.
+        if _WATCH is not None:
+            _WATCH.failed = False
+        raise
     except BaseException:
         if _WATCH is not None:
             _WATCH.failed = True

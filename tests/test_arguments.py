@@ -127,7 +127,15 @@ def test_a_timeout_shorter_than_the_solve_may_take_warns_only_when_planning() ->
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(4e9, 4_000_000_000), ("+2G", 2 * 2**30), (".5GiB", 2**29), ("1.0001 KiB", 1024), ("3 B", 3), (2**50, 2**50)],
+    [
+        (4e9, 4_000_000_000),
+        ("4e9", 4_000_000_000),
+        ("+2GiB", 2 * 2**30),
+        (".5GiB", 2**29),
+        ("1.0001 KiB", 1024),
+        ("3 B", 3),
+        (2**50, 2**50),
+    ],
 )
 def test_budgets_in_any_form_that_names_whole_bytes(value: Any, expected: int) -> None:
     assert parse_memory_budget(value) == expected

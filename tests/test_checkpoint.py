@@ -421,6 +421,97 @@ def test_resume_at_an_epoch_boundary_continues_the_uninterrupted_run(runs: Any) 
     assert state_diff(osdp["states"]["end"]["model"], ddp["states"]["end"]["model"]) <= RTOL
 
 
+def fit_one_rank(
+    out: Path,
+    ckpt_path: Path | None = None,
+    *,
+    every_n_train_steps: int | None = None,
+    dropout: float = 0.0,
+    use_distributed_sampler: bool = True,
+) -> TinyGPT:
+    """Two epochs of TinyGPT (16 batches each) on one rank under OSDP, seeded as every run here; saving to ``out``
+    (every ``every_n_train_steps`` steps, else at each epoch's end) unless it resumes from ``ckpt_path``."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_osdp import OSDPStrategy
+
+    from models import loaders
+
+    L.seed_everything(0, workers=True)
+    model = TinyGPT(dropout=dropout)
+    save = (
+        ModelCheckpoint(out, filename="{step}", every_n_train_steps=every_n_train_steps, save_top_k=-1)
+        if every_n_train_steps
+        else ModelCheckpoint(out, filename="{epoch}", save_on_train_epoch_end=True, save_top_k=-1)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=OSDPStrategy(plan=Plan({"": "no_shard", "h.0": "full_shard"}), memory_steps=0),
+        max_epochs=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=not ckpt_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[] if ckpt_path else [save],
+        deterministic=True,
+        use_distributed_sampler=use_distributed_sampler,
+    )
+    environ = dict(os.environ)
+    try:
+        trainer.fit(model, loaders()[0], ckpt_path=ckpt_path)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return model
+
+
+def test_a_mid_epoch_resume_restarts_the_interrupted_epoch_from_its_first_batch(tmp_path: Path) -> None:
+    """What docs/checkpointing.md says Lightning 2.6 does (and DDP alike): a checkpoint taken mid-epoch (step 5 of
+    16) resumes with the interrupted epoch's dataloader started again, so the resumed run trains that epoch's first
+    11 batches (5 of them a second time, its last 5 never) and then the next epochs exactly as the uninterrupted run
+    does. When Lightning starts resuming mid-epoch exactly, this fails: say so in the docs."""
+    uninterrupted = fit_one_rank(tmp_path, every_n_train_steps=5)
+    resumed = fit_one_rank(tmp_path, tmp_path / "step=5.ckpt")
+    batch, epoch = 4, 64
+    assert len(uninterrupted.seen) == 2 * epoch
+    assert resumed.seen[: 11 * batch] == uninterrupted.seen[: 11 * batch]  # the epoch again, from its first batch
+    assert resumed.seen[11 * batch :] == uninterrupted.seen[epoch:]  # the next epoch as uninterrupted
+    assert resumed.losses[:11] != uninterrupted.losses[5:16]
+
+
+@pytest.mark.parametrize(
+    ("case", "same_batches", "same_losses"),
+    [
+        ("nothing random", True, True),
+        ("dropout", True, False),
+        ("a sampler Lightning does not replace", False, False),
+    ],
+)
+def test_an_epoch_end_resume_is_exact_unless_the_run_draws_from_the_global_generator(
+    tmp_path: Path, case: str, same_batches: bool, same_losses: bool
+) -> None:
+    """What docs/checkpointing.md says about an epoch-end resume: it continues the uninterrupted run bit for bit with
+    Lightning's ``DistributedSampler`` and a step that draws no random numbers, and not otherwise, since Lightning
+    2.6's checkpoint holds no random generator state: with dropout the resumed run gets the same batches but other
+    masks, with a ``RandomSampler`` (``use_distributed_sampler=False``) other batches. No batch is skipped in any
+    case. When Lightning starts restoring the generators, this fails: say so in the docs."""
+    kwargs: dict[str, Any] = {
+        "nothing random": {},
+        "dropout": {"dropout": 0.1},
+        "a sampler Lightning does not replace": {"use_distributed_sampler": False},
+    }[case]
+    uninterrupted = fit_one_rank(tmp_path, **kwargs)
+    resumed = fit_one_rank(tmp_path, tmp_path / "epoch=0.ckpt", **kwargs)
+    epoch = 64
+    assert len(uninterrupted.losses) == 32 and len(resumed.losses) == 16  # the second epoch, whole
+    assert sorted(resumed.seen) == list(range(epoch))  # every sample once
+    assert (resumed.seen == uninterrupted.seen[epoch:]) is same_batches
+    assert (resumed.losses == uninterrupted.losses[16:]) is same_losses
+
+
 @multiprocess
 @pytest.mark.parametrize(
     ("case", "source"),

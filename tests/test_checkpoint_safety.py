@@ -90,13 +90,17 @@ class Saved:
     full: Path
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
-    out = tmp_path_factory.mktemp("saved")
+def save_both(out: Path) -> Saved:
+    """A real checkpoint of a 3-step one-process fit under :data:`PLAN` in ``out``: sharded, and consolidated."""
     torch.manual_seed(0)
     trainer = fit(TinyGPT(), plan=Plan(PLAN))
     trainer.save_checkpoint(out / "sharded.ckpt")
     return Saved(out / "sharded.ckpt", ckpt.consolidate(out / "sharded.ckpt", out / "full.ckpt"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    return save_both(tmp_path_factory.mktemp("saved"))
 
 
 def copy(path: Path, to: Path) -> Path:

@@ -134,3 +134,52 @@ def test_replicating_a_model_with_no_trainable_parameters_is_a_plan_error(world1
     expected = frozen(tokens)
     root = apply_plan(frozen, Plan({"": "no_shard", "h.0": "full_shard"}), mesh=world1)  # type: ignore[arg-type]
     torch.testing.assert_close(root(tokens), expected, rtol=0, atol=0)
+
+
+def test_a_decision_on_a_module_without_parameters_is_a_plan_error_naming_it() -> None:
+    """A torchmetrics metric (``val_loss``) holds no parameters: before, FSDP2 failed in setup with a raw
+    ``AssertionError: No FSDP state found on FSDPMeanMetric()``."""
+    model = TinyGPT()
+    with pytest.raises(PlanError, match=r"module 'val_loss' \(MeanMetric\), which holds no parameters"):
+        Plan({"": "no_shard", "val_loss": "full_shard"}).validate(model)
+    with pytest.raises(PlanError, match=r"'val_loss' \(MeanMetric\), which holds no parameters"):
+        _fit(model, Plan({"": "no_shard", "val_loss": "full_shard"}))
+    assert model.losses == []
+
+
+def test_sharding_multihead_attention_s_output_projection_on_its_own_is_a_plan_error() -> None:
+    """FSDP2's hooks on ``attn.out_proj`` never fire (MultiheadAttention reads the weight itself): before, the first
+    forward failed with "got mixed torch.Tensor and DTensor"."""
+    with pytest.raises(PlanError, match=r"module 'h.0.attn.out_proj': full_shard needs a module that is called"):
+        Plan({"": "no_shard", "h.0.attn.out_proj": "full_shard"}).validate(TinyGPT())
+    Plan({"": "no_shard", "h.0.attn.out_proj": "no_shard", "h.0.attn": "full_shard"}).validate(TinyGPT())
+
+
+@pytest.mark.parametrize(
+    ("decisions", "message"),
+    [
+        ({"": "no_shard", "h.7": "full_shard"}, r"plan names module 'h.7', which the model does not have"),
+        ({"": "no_shard", "h.0.fc": ("full_shard", 86)}, r"module 'h.0.fc': split=86 exceeds out_features=85"),
+    ],
+)
+def test_a_given_plan_that_does_not_fit_fails_before_the_model_is_touched(decisions: dict, message: str) -> None:
+    """Validation is the first thing setup does: under ``bf16-true`` the model is still float32 afterwards (before,
+    it had been cast, and moved, when the plan was found wrong)."""
+    model = TinyGPT()
+    with pytest.raises(PlanError, match=message):
+        _fit(model, Plan(decisions), precision="bf16-true")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def _fit(model: L.LightningModule, plan: Plan, **trainer: object) -> None:
+    L.Trainer(
+        strategy=OSDPStrategy(plan=plan),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer,  # type: ignore[arg-type]
+    ).fit(model, loaders()[0])

@@ -4,8 +4,9 @@
 unsharded model's own state-dict names, plus Lightning's metadata, the plan and the profile; it loads under any plan
 and world size. ``full``: one consolidated ``torch.save`` file, as Lightning's DDP writes. :func:`consolidate` turns
 the first into the second. Saves are atomic and replace only checkpoints; incomplete, corrupted (checksums) or
-mismatched checkpoints are refused with a message that names the problem, and nothing in a checkpoint runs when it is
-read (``unpickle``). See ``docs/checkpointing.md``.
+mismatched checkpoints are refused with a message that names the problem, nothing in a checkpoint runs when it is
+read (``unpickle``), and a checkpoint is read from one open directory, never through a link out of it, so that a
+save replacing it meanwhile gives the old one whole or a clear error (``files``). See ``docs/checkpointing.md``.
 """
 
 import warnings
@@ -28,6 +29,7 @@ from lightning_osdp.checkpoint.errors import (
     IncompleteCheckpointError,
     UntrustedContentError,
 )
+from lightning_osdp.checkpoint.files import CheckpointDirectory, CheckpointReplacedError
 from lightning_osdp.checkpoint.full import (
     full_model_state,
     full_optimizer_state,
@@ -51,8 +53,10 @@ from lightning_osdp.checkpoint.sharded import (
 
 __all__ = [
     "CheckpointContext",
+    "CheckpointDirectory",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointReplacedError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "Manifest",

@@ -11,7 +11,6 @@ process group and no GPU, but holds the whole model and optimizer state in memor
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ import torch
 
 from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.errors import CheckpointError
-from lightning_osdp.checkpoint.integrity import verify_checksums
+from lightning_osdp.checkpoint.files import CheckpointDirectory, read_retrying
 from lightning_osdp.checkpoint.keys import optimizer_state_to_native
 from lightning_osdp.checkpoint.sharded import MODEL_KEY, read_sharded_tensors
 from lightning_osdp.checkpoint.unpickle import load_torch_file
@@ -35,12 +34,14 @@ def consolidate(
 ) -> Path:
     """Write the sharded checkpoint directory ``src`` as one Lightning checkpoint file ``out`` (atomically).
 
-    Every file of ``src`` is checked against its checksum first, and nothing in it runs code unless
-    ``weights_only=False``.
+    Every file of ``src`` is checked against its checksum, read relative to the directory opened once (a checkpoint
+    replaced while it is read, ``last.ckpt`` of a running training, is read again: see ``files``), and nothing in it
+    runs code unless ``weights_only=False``.
 
     Args:
         src: a sharded checkpoint directory (refused if its save did not complete, or a file changed since).
-        out: the file to write: a path where nothing is, or a checkpoint to replace (anything else is refused).
+        out: the file to write: a path where nothing is, or a checkpoint to replace (anything else is refused), but
+            never ``src`` itself or a path inside it, however spelled (a link, ``./``, a trailing ``/``).
         optimizer: keep the optimizer states (``False``: a weights-only file, smaller, enough for inference and
             ``load_from_checkpoint``).
         weights_only: create only plain data and tensors from the checkpoint's pickles; ``False`` trusts it (needed
@@ -48,6 +49,10 @@ def consolidate(
 
     Returns:
         ``out`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        CheckpointError: ``src`` cannot be read, ``out`` is ``src`` or inside it, or ``out`` cannot be written (the
+            message names it; a partial file is removed).
     """
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -55,42 +60,61 @@ def consolidate(
             f"{str(src)!r} is not a sharded checkpoint directory"
             + (" (it is a file: already consolidated)" if src.is_file() else "")
         )
+    _check_not_onto_source(src, out)
     layout.check_replaceable(out)
-    manifest = layout.read_manifest(src)
-    verify_checksums(src, manifest)
-    checkpoint = load_torch_file(src / layout.META, weights_only=weights_only, what=layout.META, source=src)
-    keys = [MODEL_KEY] + ([f"optimizer_{i}" for i in range(manifest.optimizers)] if optimizer else [])
-    tensors = read_sharded_tensors(src, keys, weights_only=weights_only, verify=False)
-    checkpoint["state_dict"] = tensors.get(MODEL_KEY, {})
-    if optimizer and manifest.optimizers:
-        checkpoint["optimizer_states"] = [_tuples(optimizer_state_to_native(tensors[k])) for k in keys[1:]]
-    entry = manifest.to_dict()
-    entry.update(
-        state_dict_type="full",
-        files={},
-        checksums={},
-        consolidated_from=str(src),
-        plan=_json(src, manifest.plan),
-        profile=_json(src, manifest.profile),
-    )
-    checkpoint["osdp"] = entry
+    checkpoint = read_retrying(lambda: _read(src, optimizer=optimizer, weights_only=weights_only))
     tmp = layout.temporary_path(out, layout.new_token())
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         torch.save(checkpoint, tmp)
         layout.commit(tmp, out)
-    finally:
-        layout.remove_checkpoint(tmp)
+    except Exception as err:
+        full = layout.no_room(err, out.parent)
+        layout.discard(tmp)
+        raise layout.save_error(out, err, full=full) from err
     return out
 
 
-def _json(directory: Path, name: str | None) -> Any:
+def _check_not_onto_source(src: Path, out: Path) -> None:
+    """Refuse an ``out`` that is the checkpoint being consolidated, or inside it: the commit would replace the sharded
+    checkpoint (its optimizer state with it) by the file, or write into the directory being read."""
+    source, target = src.resolve(), out.resolve()
+    if target == source or source in target.parents:
+        where = "is" if target == source else "is inside"
+        raise CheckpointError(
+            f"refusing to consolidate {str(src)!r} into {str(out)!r}: that path {where} the checkpoint being "
+            "consolidated, and writing it would replace the sharded checkpoint (and its optimizer state) with the "
+            "file. Give another output path, such as "
+            f"{str(src.with_name(src.name.removesuffix('.ckpt') + '-full.ckpt'))!r}"
+        )
+
+
+def _read(src: Path, *, optimizer: bool, weights_only: bool) -> dict[str, Any]:
+    """The consolidated checkpoint dict of ``src``, every part read from the one save the directory held."""
+    with CheckpointDirectory(src) as directory:
+        manifest = layout.read_manifest(directory)
+        meta = directory.read(
+            layout.META, size=manifest.files.get(layout.META), checksum=manifest.checksums.get(layout.META)
+        )
+        checkpoint = load_torch_file(meta, weights_only=weights_only, what=layout.META, source=src)
+        if not isinstance(checkpoint, dict):
+            raise CheckpointError(f"{layout.META} of checkpoint {str(src)!r} does not hold Lightning's checkpoint dict")
+        keys = [MODEL_KEY] + ([f"optimizer_{i}" for i in range(manifest.optimizers)] if optimizer else [])
+        tensors = read_sharded_tensors(directory, keys, weights_only=weights_only)
+        plan, profile = (_json(directory, manifest, name) for name in (manifest.plan, manifest.profile))
+    checkpoint["state_dict"] = tensors.get(MODEL_KEY, {})
+    if optimizer and manifest.optimizers:
+        checkpoint["optimizer_states"] = [_tuples(optimizer_state_to_native(tensors[k])) for k in keys[1:]]
+    entry = manifest.to_dict()
+    entry.update(state_dict_type="full", files={}, checksums={}, consolidated_from=str(src), plan=plan, profile=profile)
+    checkpoint["osdp"] = entry
+    return checkpoint
+
+
+def _json(directory: CheckpointDirectory, manifest: layout.Manifest, name: str | None) -> Any:
     if name is None:
         return None
-    try:
-        return json.loads((directory / name).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-        raise CheckpointError(f"checkpoint {str(directory)!r}: unreadable {name} ({err})") from None
+    return directory.json(name, size=manifest.files.get(name), checksum=manifest.checksums.get(name))
 
 
 def _tuples(osd: dict[str, Any]) -> dict[str, Any]:

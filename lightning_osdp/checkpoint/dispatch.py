@@ -7,10 +7,10 @@ The strategy's checkpoint methods call these and nothing else, so that the strat
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from torch import nn
 from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from lightning_osdp.checkpoint.files import CheckpointReplacedError
 from lightning_osdp.checkpoint.full import load_full_model_state, load_full_optimizer_state, save_full_checkpoint
 from lightning_osdp.checkpoint.integrity import verify_records
 from lightning_osdp.checkpoint.sharded import (
@@ -86,18 +87,46 @@ def load_checkpoint(
         raise layout.missing_checkpoint_error(path)
     if path.is_dir():
         return open_sharded_checkpoint(path, weights_only=not trusted)
-    verify_records(path, shared=True)
-    if read_file is None:
-        return _as_checkpoint(load_torch_file(path, weights_only=not trusted, what=""), path)
+    with _open_file(path) as file:
+        # The file is checked, and read, through this one open file: a newer save replacing `path` meanwhile (a
+        # rename) does not change what it reads.
+        verify_records(file, source=path, shared=True)
+        if read_file is None:
+            return _as_checkpoint(load_torch_file(file, weights_only=not trusted, what="", source=path), path)
+        try:
+            content = read_file(path)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            refusal = weights_only_refusal(err, file, path, "")
+            if refusal is not None:
+                raise refusal from None
+            raise _unreadable(path, err) from err
+        # `read_file` (the strategy's CheckpointIO) opens `path` itself: it must have read the file checked above.
+        if _identity(os.fstat(file.fileno())) != _identity(_stat(path)):
+            raise CheckpointReplacedError(
+                f"checkpoint file {str(path)!r} was replaced by a newer save while it was being read (a training "
+                "saves it again); nothing of it was used: read it again"
+            )
+        return _as_checkpoint(content, path)
+
+
+def _open_file(path: Path) -> IO[bytes]:
     try:
-        return _as_checkpoint(read_file(path), path)
-    except CheckpointError:
-        raise
-    except Exception as err:
-        refusal = weights_only_refusal(err, path, "")
-        if refusal is not None:
-            raise refusal from None
-        raise _unreadable(path, err) from err
+        return open(path, "rb")
+    except OSError as err:
+        raise CheckpointError(f"cannot read checkpoint file {str(path)!r}: {err.strerror or err}") from None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def _identity(info: os.stat_result | None) -> tuple[int, int] | None:
+    return (info.st_dev, info.st_ino) if info is not None else None
 
 
 def _as_checkpoint(content: Any, path: Path) -> dict[str, Any]:
@@ -157,8 +186,11 @@ def describe_resume(path: str | Path, checkpoint: Mapping[str, Any], context: Ch
         return f"OSDP: loading {path}, a checkpoint of another strategy (full state, the model's keys)"
     saved_ranks = entry.get("world_size")
     plan = entry.get("plan")
-    if isinstance(plan, str) and path.is_dir():
-        plan = json.loads((path / plan).read_text())
+    state = checkpoint.get("state_dict")
+    if isinstance(plan, str) and isinstance(state, ShardedState):
+        # Through the directory the checkpoint was opened as, and checked against the manifest's checksum.
+        directory = state.opened()
+        plan = directory.json(plan, size=entry["files"].get(plan), checksum=entry.get("checksums", {}).get(plan))
     same_plan = (
         context.plan is not None
         and isinstance(plan, Mapping)

@@ -102,8 +102,10 @@ def save_full_checkpoint(
             (write or _torch_save)(content, tmp)
             _fsync_file(tmp)
             layout.commit(tmp, path)
-        finally:
-            layout.remove_checkpoint(tmp)  # gone already unless the write failed
+        except Exception as err:
+            full = layout.no_room(err, path.parent)
+            layout.discard(tmp)
+            raise layout.save_error(path, err, full=full) from err
 
     distributed.from_rank_zero(write_and_commit, what=f"saving checkpoint {str(path)!r}")
     return path

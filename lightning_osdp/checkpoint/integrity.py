@@ -1,11 +1,13 @@
-"""Checksums of a checkpoint's files: recorded while the bytes are written, verified before they are read.
+"""Checksums of a checkpoint's files: recorded while the bytes are written, verified as they are read.
 
 [Note: checksums]
 Sizes tell a truncated file from a complete one, not a flipped bit: a shard with one bit changed loaded, trained at
 ``loss inf`` and consolidated into a parameter of 1.7e36 without a word. So the manifest of a sharded checkpoint
 records a CRC-32 of every file (``"checksums": {"__0_0.distcp": "crc32:1c291ca3", ...}``), and every reader checks
-the files it relies on first: a load checks them all (each rank a share, see :func:`verify_shared`),
-``consolidate`` all, ``saved_plan`` the plan, profile and index. CRC-32 detects every error of up to 32 consecutive
+the files it relies on: a load checks them all (the shards each rank a share, see :func:`verify_shared`),
+``consolidate`` all, ``saved_plan`` the plan, profile and index. Small files are checked on the very bytes that are
+then parsed; shards through the checkpoint directory the reader holds open, which DCP then reads through (see
+``files``' [Note: reading a directory that may be replaced]). CRC-32 detects every error of up to 32 consecutive
 bits and is the cheapest check there is (zlib, ~2 GB/s on one core): it guards against disks, networks and copies,
 not against someone who rewrites the manifest too (see [Note: pickles in a checkpoint] for that).
 
@@ -19,20 +21,28 @@ A full file needs no manifest: ``torch.save`` writes a zip archive that stores a
 
 from __future__ import annotations
 
+import json
 import threading
 import zipfile
 import zlib
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_osdp import distributed
 from lightning_osdp._compat import dcp_writer_file_system
-from lightning_osdp.checkpoint.errors import CorruptCheckpointError
+from lightning_osdp.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from lightning_osdp.checkpoint.files import (
+    CheckpointDirectory,
+    CheckpointReplacedError,
+    changed,
+    corrupt_error,
+    format_checksum,
+)
 
 if TYPE_CHECKING:
     from lightning_osdp.checkpoint.layout import Manifest
@@ -52,10 +62,6 @@ CHECKSUM_PATTERN = r"crc32:[0-9a-f]{8}"
 _CHUNK = 1 << 23
 
 
-def _format(crc: int) -> str:
-    return f"crc32:{crc:08x}"
-
-
 def file_checksum(path: Path) -> str:
     """The checksum of a file (``"crc32:<8 hex digits>"``)."""
     crc = 0
@@ -64,7 +70,7 @@ def file_checksum(path: Path) -> str:
     with open(path, "rb", buffering=0) as f:
         while size := f.readinto(buffer):
             crc = zlib.crc32(view[:size], crc)
-    return _format(crc)
+    return format_checksum(crc)
 
 
 # ---------------------------------------------------------------------------------------------- while writing
@@ -76,9 +82,16 @@ class _ChecksummingStream:
         self.crc = 0
         #: False once the writer seeks: the bytes written are then not the file's bytes in order.
         self.sequential = True
+        #: The first error the file raised: torch's zip writer reports a failed write as its own RuntimeError
+        #: ("unexpected pos"), losing the cause (ENOSPC), which the file system raises again in its place.
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        written: int = self._raw.write(data)
+        try:
+            written: int = self._raw.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view[:written] if written is not None else view, self.crc)
         return written
@@ -102,15 +115,20 @@ class _ChecksummingFileSystem(FileSystem):
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
         counted: _ChecksummingStream | None = None
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode or "+" in mode:
-                yield stream
-            else:
-                counted = _ChecksummingStream(stream)
-                yield counted
+        try:
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode or "+" in mode:
+                    yield stream
+                else:
+                    counted = _ChecksummingStream(stream)
+                    yield counted
+        except Exception as err:
+            if counted is not None and counted.error is not None and err is not counted.error:
+                raise counted.error from err
+            raise
         if counted is not None and counted.sequential:
             with self._lock:
-                self.checksums[Path(path).name] = _format(counted.crc)
+                self.checksums[Path(path).name] = format_checksum(counted.crc)
 
     def rename(self, path: Any, new_path: Any) -> None:
         super().rename(path, new_path)  # DCP writes `.metadata.tmp`, then renames it
@@ -138,78 +156,101 @@ def written_checksums(writer: FileSystemWriter) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- before reading
-def _failures(directory: Path, manifest: Manifest, names: Iterable[str]) -> list[str]:
+def _failures(directory: CheckpointDirectory, manifest: Manifest, names: Iterable[str]) -> list[str]:
     failures = []
     for name in names:
         expected = manifest.checksums.get(name)
         if expected is None:
             continue
         try:
-            actual = file_checksum(directory / name)
-        except OSError as err:
-            failures.append(f"{name} (unreadable: {err.strerror or err})")
+            actual = directory.checksum(name)
+        except CheckpointReplacedError:
+            raise
+        except CheckpointError as err:
+            failures.append(f"{name} ({err})")
             continue
         if actual != expected:
-            failures.append(f"{name} (checksum {actual}, recorded {expected} when it was saved)")
+            failures.append(changed(name, actual, expected))
     return failures
 
 
-def _corrupt(directory: Path, failures: list[str]) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"refusing to load checkpoint {str(directory)!r}: the content of {', '.join(sorted(failures))} changed after "
-        "the save, its size unchanged (a disk, memory or copy error). Load another checkpoint, or copy this one again "
-        "from where it was written"
-    )
-
-
-def verify_checksums(directory: Path, manifest: Manifest, names: Iterable[str] | None = None) -> None:
-    """Check the files ``names`` (default: all) of checkpoint ``directory`` against the manifest's checksums, in this
-    process. A checkpoint without checksums (written by lightning_osdp 0.1) passes: its sizes were checked when its
-    manifest was read.
+def verify_checksums(directory: CheckpointDirectory, manifest: Manifest, names: Iterable[str] | None = None) -> None:
+    """Check the files ``names`` (default: all) of the checkpoint ``directory`` holds against the manifest's checksums,
+    in this process. A checkpoint without checksums (written by lightning_osdp 0.1) passes: its sizes were checked
+    when its manifest was read.
 
     Raises:
         CorruptCheckpointError: naming every file whose content changed.
+        CheckpointReplacedError: the checkpoint was replaced while its files were read.
     """
     failures = _failures(directory, manifest, manifest.checksums if names is None else names)
     if failures:
-        raise _corrupt(directory, failures)
+        if directory.replaced():
+            raise directory.replaced_error()
+        raise corrupt_error(directory.path, failures)
 
 
-def verify_shared(directory: Path, manifest: Manifest) -> None:
-    """:func:`verify_checksums` of every file, shared out between the ranks (a collective when a process group is
-    initialised): file ``i`` is read by rank ``i mod world size`` only, and every rank raises if any file failed."""
-    names = sorted(manifest.checksums)
-    mine = _failures(directory, manifest, names[distributed.rank() :: distributed.world_size()])
-    failures = [f for share in distributed.all_gather(mine) for f in share]
+def verify_shared(directory: CheckpointDirectory, manifest: Manifest, names: Iterable[str]) -> None:
+    """:func:`verify_checksums` of ``names``, shared out between the ranks (a collective when a process group is
+    initialised): file ``i`` is read by rank ``i mod world size`` only, and every rank raises if any file failed.
+
+    The ranks also compare the manifests they read: ranks that opened different saves of the checkpoint (it was
+    replaced between their opens) all raise :class:`CheckpointReplacedError`, rather than load a mix of two saves.
+    """
+    mine: list[str] | str
+    try:
+        mine = _failures(directory, manifest, sorted(names)[distributed.rank() :: distributed.world_size()])
+    except CheckpointReplacedError:
+        mine = "replaced"
+    fingerprint = json.dumps(manifest.to_dict(), sort_keys=True)
+    shares = distributed.all_gather((fingerprint, mine))
+    if any(share == "replaced" or seen != fingerprint for seen, share in shares):
+        raise directory.replaced_error()
+    failures = [f for _, share in shares for f in share]
     if failures:
-        raise _corrupt(directory, failures)
+        raise corrupt_error(directory.path, failures)
 
 
-def verify_records(path: Path, *, shared: bool = False) -> None:
-    """Check every record of a ``torch.save`` file against the CRC-32 the zip archive stores for it. A file of the
-    legacy (pre-zip) format, or written with ``torch.serialization.set_crc32_options(False)``, has none to check.
+def verify_records(file: IO[bytes], *, source: Path, shared: bool = False) -> None:
+    """Check every record of a ``torch.save`` file (open in ``file``) against the CRC-32 the zip archive stores for
+    it. A file of the legacy (pre-zip) format, or written with ``torch.serialization.set_crc32_options(False)``, has
+    none to check.
 
     Args:
+        source: the file's path, for messages.
         shared: the ranks share the records out (record ``i`` is read by rank ``i mod world size``) and every rank
-            raises if any failed: a collective when a process group is initialised.
+            raises if any failed: a collective when a process group is initialised. The ranks also compare the
+            archives' directories (every record's CRC): ranks that opened different saves of the file (it was
+            replaced between their opens) raise :class:`CheckpointReplacedError`.
 
     Raises:
         CorruptCheckpointError: naming the file and the record.
     """
-    if not zipfile.is_zipfile(path):
-        return
-    try:
-        with zipfile.ZipFile(path) as archive:
-            records = archive.infolist()
-            if shared:
-                records = records[distributed.rank() :: distributed.world_size()]
-            failure = _bad_record(archive, records)
-    except (zipfile.BadZipFile, EOFError) as err:  # the archive's directory: every rank reads it, and fails alike
-        failure = str(err)
-    failures = [f for f in (distributed.all_gather(failure) if shared else [failure]) if f is not None]
+    fingerprint: Any = None
+    if not zipfile.is_zipfile(file):
+        failure = None
+    else:
+        try:
+            file.seek(0)
+            with zipfile.ZipFile(file) as archive:
+                records = archive.infolist()
+                fingerprint = [(info.filename, info.CRC, info.file_size) for info in records]
+                if shared:
+                    records = records[distributed.rank() :: distributed.world_size()]
+                failure = _bad_record(archive, records)
+        except (zipfile.BadZipFile, EOFError) as err:  # the archive's directory: every rank reads it, and fails alike
+            failure = str(err)
+    file.seek(0)
+    outcomes = distributed.all_gather((fingerprint, failure)) if shared else [(fingerprint, failure)]
+    if any(seen != fingerprint for seen, _ in outcomes):
+        raise CheckpointReplacedError(
+            f"checkpoint file {str(source)!r} was replaced by a newer save while the ranks were reading it (a training "
+            "saves it again); nothing of it was used: read it again"
+        )
+    failures = [f for _, f in outcomes if f is not None]
     if failures:
         raise CorruptCheckpointError(
-            f"refusing to load checkpoint file {str(path)!r}: it is damaged ({failures[0]}): its bytes changed after "
+            f"refusing to load checkpoint file {str(source)!r}: it is damaged ({failures[0]}): its bytes changed after "
             "it was written (a disk, memory or copy error), or it was cut short. Load another checkpoint"
         )
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import json
 import logging
 import os
@@ -59,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_osdp.checkpoint.errors import CheckpointError, IncompleteCheckpointError
+from lightning_osdp.checkpoint.files import CheckpointDirectory, CheckpointReplacedError, opened
 from lightning_osdp.checkpoint.integrity import CHECKSUM_PATTERN, file_checksum
 
 __all__ = [
@@ -71,12 +73,15 @@ __all__ = [
     "Manifest",
     "check_replaceable",
     "commit",
+    "discard",
     "is_sharded_checkpoint",
     "leftovers",
     "missing_checkpoint_error",
     "new_token",
+    "no_room",
     "read_manifest",
     "remove_checkpoint",
+    "save_error",
     "temporary_path",
     "write_manifest",
 ]
@@ -325,15 +330,26 @@ def write_manifest(directory: Path, manifest: Manifest, checksums: Mapping[str, 
     _fsync_directory(directory)
 
 
-def read_manifest(path: Path) -> Manifest:
+def read_manifest(path: str | os.PathLike[str] | CheckpointDirectory) -> Manifest:
     """The manifest of checkpoint directory ``path``, after checking that the save completed and no file was lost.
+
+    ``path`` may be a :class:`~lightning_osdp.checkpoint.files.CheckpointDirectory` already open: the manifest and
+    the sizes are then those of the directory it holds (see its [Note: reading a directory that may be replaced]).
 
     Raises:
         IncompleteCheckpointError: no manifest (the save was interrupted, or another tool wrote the directory), or
             a listed file missing or of another size.
+        CheckpointError: a listed file is a symbolic link, or not a regular file.
     """
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    with opened(path) as directory:
+        return _read_manifest(directory)
+
+
+def _read_manifest(directory: CheckpointDirectory) -> Manifest:
+    path = directory.path
+    if directory.size(MANIFEST) is None:
+        if directory.replaced():
+            raise directory.replaced_error()
         hint = (
             "it is the temporary directory of a save that did not complete (the process was killed or failed mid-save)"
             if ".tmp-" in path.name
@@ -346,19 +362,22 @@ def read_manifest(path: Path) -> Manifest:
             "previous complete checkpoint instead" + (f" ({str(sibling)!r})." if sibling else ".")
         )
     try:
-        document = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        document = directory.json(MANIFEST)
+    except CheckpointReplacedError:
+        raise
+    except CheckpointError as err:
         raise IncompleteCheckpointError(
-            f"refusing to load checkpoint {str(path)!r}: unreadable manifest ({type(err).__name__}: {err})"
+            f"refusing to load checkpoint {str(path)!r}: unreadable manifest ({err})"
         ) from None
-    manifest = Manifest.from_dict(document, str(manifest_path))
+    manifest = Manifest.from_dict(document, str(path / MANIFEST))
     lost = []
     for name, size in manifest.files.items():
-        file = path / name
-        actual = file.stat().st_size if file.is_file() else None
+        actual = directory.size(name)
         if actual != size:
             lost.append(f"{name} ({'missing' if actual is None else f'{actual} bytes'}, expected {size} bytes)")
     if lost:
+        if directory.replaced():
+            raise directory.replaced_error()
         raise IncompleteCheckpointError(
             f"refusing to load checkpoint {str(path)!r}: files were lost or truncated after it was written: "
             + ", ".join(lost)
@@ -469,6 +488,75 @@ def _foreign_entries(directory: Path) -> list[str]:
         if os.path.lexists(entry.path):
             foreign.append(entry.name)
     return sorted(foreign)
+
+
+#: Errors of a write that found no room: the device is full, the user's quota is spent, or a file hit its size limit.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+#: Free bytes under which a failed write is taken for a full file system when no error says why (torch's zip writer
+#: reports a short write as "unexpected pos", without the OS error).
+_NEARLY_FULL = 1 << 20
+
+
+def no_room(err: BaseException, directory: Path) -> bool:
+    """Whether a save into ``directory`` that raised ``err`` failed for lack of room: an ``ENOSPC``, ``EDQUOT`` or
+    ``EFBIG`` among ``err``, its causes and (for DCP's ``CheckpointException``) every rank's failure; else less than
+    1 MiB free on ``directory``'s file system. Call it before the partial save is removed."""
+    stack: list[Any] = [err]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, tuple):
+            stack.extend(item)
+            continue
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno in _NO_ROOM:
+            return True
+        stack.extend((item.__cause__, item.__context__, *getattr(item, "failures", {}).values()))
+    try:
+        free = os.statvfs(directory)
+    except OSError:
+        return False
+    return free.f_bavail * free.f_frsize < _NEARLY_FULL
+
+
+def save_error(path: Path, err: BaseException, *, full: bool) -> CheckpointError:
+    """The error of a save to ``path`` that failed with ``err`` (``full``: for lack of room, see :func:`no_room`),
+    once its partial save is removed: it names the checkpoint, the cause, and what is at ``path`` now."""
+    if isinstance(err, CheckpointError):
+        return err
+    now = (
+        f"the previous checkpoint at {str(path)!r} is unchanged"
+        if os.path.lexists(path)
+        else f"nothing was written at {str(path)!r}"
+    )
+    if full:
+        return CheckpointError(
+            f"saving checkpoint {str(path)!r} failed: no space left on device (the file system of "
+            f"{str(path.parent)!r} is full); the partial save was removed and {now}. Free space there, or save "
+            "elsewhere"
+        )
+    return CheckpointError(
+        f"saving checkpoint {str(path)!r} failed ({_first_failure(err)}); the partial save was removed and {now}"
+    )
+
+
+def _first_failure(err: BaseException) -> str:
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = min(failures.items())
+        first = failure[0] if isinstance(failure, tuple) else failure
+        return f"on rank {rank}: {type(first).__name__}: {first}"
+    return f"{type(err).__name__}: {err}"
+
+
+def discard(tmp: Path) -> None:
+    """Remove the partial save ``tmp`` (a failed save's temporary file or directory), as far as it can be removed."""
+    try:
+        _remove(tmp)
+    except OSError as err:
+        log.warning("could not remove %s, left by a failed save: %s", tmp, err)
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:

@@ -9,7 +9,6 @@ do not depend on the plan).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,8 @@ from torch import nn
 
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import layout
-from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from lightning_osdp.checkpoint.integrity import verify_checksums
+from lightning_osdp.checkpoint.errors import CheckpointMismatchError
+from lightning_osdp.checkpoint.files import CheckpointDirectory, read_retrying
 from lightning_osdp.checkpoint.keys import check_model_keys
 from lightning_osdp.checkpoint.sharded import saved_model_shapes
 from lightning_osdp.checkpoint.unpickle import SkimmedTensor, skim
@@ -68,7 +67,8 @@ class PlanChoice:
 def saved_plan(path: str | os.PathLike[str]) -> SavedPlan | None:
     """The plan saved in checkpoint ``path`` (a sharded directory or a full file), or ``None`` if it has none
     (a checkpoint of another strategy). Cheap, and runs no code from the checkpoint: reads the manifest, the plan and
-    profile files and DCP's index (each checked against its checksum), or only the pickle of a full file, skimmed
+    profile files and DCP's index (each checked against its checksum, all of one save, none through a link: see
+    ``files``), or only the pickle of a full file, skimmed
     (see ``unpickle``'s [Note: pickles in a checkpoint]: the plan comes out whatever else the file holds, tensors
     untouched). No collective; call it on every rank or broadcast the result.
 
@@ -80,7 +80,7 @@ def saved_plan(path: str | os.PathLike[str]) -> SavedPlan | None:
     if not path.exists():
         raise layout.missing_checkpoint_error(path)
     if path.is_dir():
-        return _saved_in_directory(path)
+        return read_retrying(lambda: _saved_in_directory(path))
     content = skim(path)
     entry = content.get("osdp") if isinstance(content, dict) else None
     if not isinstance(entry, dict) or not entry.get("plan"):
@@ -104,23 +104,24 @@ def saved_plan(path: str | os.PathLike[str]) -> SavedPlan | None:
 
 
 def _saved_in_directory(path: Path) -> SavedPlan | None:
-    manifest = layout.read_manifest(path)
-    if manifest.plan is None:
-        return None
-    verify_checksums(path, manifest, [n for n in (manifest.plan, manifest.profile, ".metadata") if n])
-    profile = None
-    if manifest.profile:
-        try:
-            profile = json.loads((path / manifest.profile).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-            raise CheckpointError(f"checkpoint {str(path)!r}: unreadable {manifest.profile} ({err})") from None
+    with CheckpointDirectory(path) as directory:
+        manifest = layout.read_manifest(directory)
+        if manifest.plan is None:
+            return None
+        plan, profile = (
+            directory.json(name, size=manifest.files.get(name), checksum=manifest.checksums.get(name)) if name else None
+            for name in (manifest.plan, manifest.profile)
+        )
+        shapes = saved_model_shapes(directory, manifest)
+    if not isinstance(plan, dict):
+        raise PlanError(f"{path / manifest.plan}: a plan must be a JSON object, got {type(plan).__name__}")
     return SavedPlan(
-        Plan.load(path / manifest.plan),
+        Plan.from_dict(plan, source=str(path / manifest.plan)),
         profile,
         manifest.world_size,
         manifest.memory_budget,
         str(path),
-        saved_model_shapes(path, manifest),
+        shapes,
     )
 
 

@@ -9,8 +9,9 @@ the same, only the placements differ.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,6 +34,7 @@ from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.errors import CheckpointError, IncompleteCheckpointError
+from lightning_osdp.checkpoint.files import CheckpointDirectory, read_retrying
 from lightning_osdp.checkpoint.integrity import checksumming_writer, verify_checksums, verify_shared, written_checksums
 from lightning_osdp.checkpoint.keys import (
     check_model_keys,
@@ -80,11 +82,19 @@ class ShardedState:
         path: the checkpoint directory.
         key: the DCP top-level key (``"state_dict"``, ``"optimizer_0"``...).
         weights_only: read the checkpoint's pickles as plain data only (see :func:`open_sharded_checkpoint`).
+        directory: the directory :func:`open_sharded_checkpoint` opened, read again when the tensors are loaded, so
+            that they come from the save whose metadata was returned even if ``path`` was saved again since (see
+            ``files``' [Note: reading a directory that may be replaced]); ``None``: ``path`` is opened then.
     """
 
     path: Path
     key: str
     weights_only: bool = True
+    directory: CheckpointDirectory | None = field(default=None, compare=False, repr=False)
+
+    def opened(self) -> CheckpointDirectory:
+        """The directory to read the tensors from."""
+        return self.directory if self.directory is not None else CheckpointDirectory(self.path)
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -126,26 +136,45 @@ def save_sharded_checkpoint(
     for i, osd in enumerate(optimizer_states):
         tensors[_optimizer_key(i)] = {**osd, "param_groups": slices.canonical_param_groups(osd["param_groups"])}
     # DCP's collectives end with the coordinator's `finish` (it writes `.metadata` after gathering every rank's
-    # write results), so once `save` returns on rank 0 every rank's shard file is complete and synced.
+    # write results), so once `save` returns on rank 0 every rank's shard file is complete and synced. A failure is
+    # raised by DCP on every rank after that gather (a `CheckpointException` holding each rank's error), once no rank
+    # writes any more: rank 0 then judges it and removes the partial save while the others wait, so that every rank
+    # raises the same error with nothing left on disk.
     writer = checksumming_writer(tmp)
-    dcp.save(tensors, storage_writer=writer, planner=SliceSavePlanner(slices))
+    try:
+        dcp.save(tensors, storage_writer=writer, planner=SliceSavePlanner(slices))
+    except CheckpointException as err:
+        failure = err
+
+        def discard() -> bool:
+            full = layout.no_room(failure, path.parent)
+            layout.discard(tmp)
+            return full
+
+        full = distributed.from_rank_zero(discard, what=f"removing the failed save of {str(path)!r}")
+        raise layout.save_error(path, err, full=full) from err
     # Each rank's checksums of the files it wrote, for the manifest (see `integrity`'s [Note: checksums]).
     checksums = {
         name: crc for share in distributed.all_gather(written_checksums(writer)) for name, crc in share.items()
     }
 
     def finish() -> None:
-        meta = {k: v for k, v in checkpoint.items() if k not in _TENSOR_ENTRIES}
-        torch.save(meta, tmp / layout.META)
-        manifest = context.manifest("sharded", optimizers=len(optimizer_states), checkpoint=checkpoint)
-        if context.plan is not None:
-            context.plan.save(tmp / layout.PLAN)
-            manifest.plan = layout.PLAN
-        if context.profile is not None:
-            (tmp / layout.PROFILE).write_text(json.dumps(context.profile.to_dict(), indent=1) + "\n")
-            manifest.profile = layout.PROFILE
-        layout.write_manifest(tmp, manifest, checksums)
-        layout.commit(tmp, path)
+        try:
+            meta = {k: v for k, v in checkpoint.items() if k not in _TENSOR_ENTRIES}
+            torch.save(meta, tmp / layout.META)
+            manifest = context.manifest("sharded", optimizers=len(optimizer_states), checkpoint=checkpoint)
+            if context.plan is not None:
+                context.plan.save(tmp / layout.PLAN)
+                manifest.plan = layout.PLAN
+            if context.profile is not None:
+                (tmp / layout.PROFILE).write_text(json.dumps(context.profile.to_dict(), indent=1) + "\n")
+                manifest.profile = layout.PROFILE
+            layout.write_manifest(tmp, manifest, checksums)
+            layout.commit(tmp, path)
+        except Exception as err:
+            full = layout.no_room(err, path.parent)
+            layout.discard(tmp)
+            raise layout.save_error(path, err, full=full) from err
 
     # Every rank waits for the rename: a rank that loads or lists checkpoints right after must find it in place.
     distributed.from_rank_zero(finish, what=f"saving checkpoint {str(path)!r}")
@@ -156,10 +185,13 @@ def save_sharded_checkpoint(
 def open_sharded_checkpoint(path: str | Path, *, weights_only: bool = True) -> dict[str, Any]:
     """Lightning's checkpoint dict of a sharded checkpoint directory, with the tensors left on disk.
 
-    Checks that the save completed (the manifest, every file's size), that no file changed since (their checksums,
-    each rank checking a share: a collective when a process group is initialised) and that DCP's index refers only
-    to those files; then returns ``meta.pt``'s content, with :class:`ShardedState` references as ``"state_dict"``
-    and ``"optimizer_states"``, and the manifest as ``"osdp"``. Reads no tensor.
+    Opens the directory once and reads every file relative to it, never through a symbolic link (see ``files``).
+    Checks that the save completed (the manifest, every file's size), that no file changed since (their checksums:
+    ``meta.pt`` and DCP's index on the bytes read, the shards each rank a share: a collective when a process group
+    is initialised, in which the ranks also check that they opened the same save) and that DCP's index refers only to
+    those files, within their sizes; then returns ``meta.pt``'s content, with :class:`ShardedState` references as
+    ``"state_dict"`` and ``"optimizer_states"`` (holding the open directory), and the manifest as ``"osdp"``. Reads
+    no tensor.
 
     Args:
         weights_only: create only plain data and tensors from the checkpoint's pickles (``meta.pt``, DCP's index and
@@ -168,25 +200,33 @@ def open_sharded_checkpoint(path: str | Path, *, weights_only: bool = True) -> d
     Raises:
         IncompleteCheckpointError: the save did not complete, or files were lost or truncated since.
         CorruptCheckpointError: a file's content changed since the save.
+        CheckpointReplacedError: the checkpoint was replaced by a newer save while it was being read.
         UntrustedContentError: ``meta.pt`` needs more than plain data and ``weights_only`` is set.
+        CheckpointError: a file is a symbolic link, or the index declares more data than the files hold.
     """
-    path = Path(path)
-    if not path.exists():
-        raise layout.missing_checkpoint_error(path)
-    manifest = layout.read_manifest(path)
-    _require(path, manifest, (layout.META, _INDEX))
-    verify_shared(path, manifest)
-    read_index(path, manifest, weights_only=weights_only)
-    checkpoint = load_torch_file(path / layout.META, weights_only=weights_only, what=layout.META, source=path)
+    directory = CheckpointDirectory(path)
+    manifest = layout.read_manifest(directory)
+    _require(directory.path, manifest, (layout.META, _INDEX))
+    read_whole = (layout.META, _INDEX)
+    verify_shared(directory, manifest, [name for name in manifest.checksums if name not in read_whole])
+    read_index(directory, manifest, weights_only=weights_only)
+    checkpoint = load_torch_file(
+        _read_listed(directory, manifest, layout.META), weights_only=weights_only, what=layout.META, source=path
+    )
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{layout.META} of checkpoint {str(path)!r} does not hold Lightning's checkpoint dict")
-    checkpoint["state_dict"] = ShardedState(path, MODEL_KEY, weights_only)
+    checkpoint["state_dict"] = ShardedState(directory.path, MODEL_KEY, weights_only, directory)
     if manifest.optimizers:
         checkpoint["optimizer_states"] = [
-            ShardedState(path, _optimizer_key(i), weights_only) for i in range(manifest.optimizers)
+            ShardedState(directory.path, _optimizer_key(i), weights_only, directory) for i in range(manifest.optimizers)
         ]
     checkpoint["osdp"] = manifest.to_dict()
     return checkpoint
+
+
+def _read_listed(directory: CheckpointDirectory, manifest: layout.Manifest, name: str) -> bytes:
+    """File ``name`` of the checkpoint, checked against the size and checksum the manifest records for it."""
+    return directory.read(name, size=manifest.files.get(name), checksum=manifest.checksums.get(name))
 
 
 def _require(path: Path, manifest: layout.Manifest, names: Sequence[str]) -> None:
@@ -198,20 +238,23 @@ def _require(path: Path, manifest: layout.Manifest, names: Sequence[str]) -> Non
         )
 
 
-def read_index(path: Path, manifest: layout.Manifest, *, weights_only: bool = True) -> Metadata:
-    """DCP's index of checkpoint directory ``path`` (every key's global shape and chunks), read without running code
-    from it, after checking that it places data only in files the manifest lists, within their sizes, and holds the
-    optimizer states the manifest counts.
+def read_index(directory: CheckpointDirectory, manifest: layout.Manifest, *, weights_only: bool = True) -> Metadata:
+    """DCP's index of the checkpoint ``directory`` holds (every key's global shape and chunks), read without running
+    code from it and checked against its checksum, after checking that it places data only in files the manifest
+    lists, within their sizes, that every tensor it declares is held by those bytes (so that nothing allocates more
+    than the files hold), and that it holds the optimizer states the manifest counts.
 
     Raises:
         IncompleteCheckpointError: the index places data in a file that is not there, or past its end.
         UntrustedContentError: the index names other objects than an index holds.
+        CheckpointError: the index declares a tensor larger than the bytes it locates for it.
     """
+    path = directory.path
     _require(path, manifest, (_INDEX,))
-    index = read_dcp_index(path, weights_only=weights_only)
+    index = read_dcp_index(_read_listed(directory, manifest, _INDEX), source=path, weights_only=weights_only)
     outside: dict[str, str] = {}
     truncated: dict[str, str] = {}
-    if not isinstance(index.storage_data, dict):
+    if not isinstance(index.storage_data, dict) or not isinstance(index.state_dict_metadata, dict):
         raise CheckpointError(f"DCP's index of checkpoint {str(path)!r} is damaged: it locates no data")
     for item, where in index.storage_data.items():
         name, offset, length = (getattr(where, a, None) for a in ("relative_path", "offset", "length"))
@@ -238,6 +281,9 @@ def read_index(path: Path, manifest: layout.Manifest, *, weights_only: bool = Tr
         raise IncompleteCheckpointError(
             f"refusing to load checkpoint {str(path)!r}: {shown}: the file is truncated. Load another checkpoint"
         )
+    for key, md in index.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            _check_tensor_extent(path, index, key, md)
     found = {key.split(".", 1)[0] for key in index.state_dict_metadata if key.startswith("optimizer_")}
     counted = {_optimizer_key(i) for i in range(manifest.optimizers)}
     if not counted <= found:
@@ -248,10 +294,55 @@ def read_index(path: Path, manifest: layout.Manifest, *, weights_only: bool = Tr
     return index
 
 
-def _load(state: dict[str, Any], state_ref: ShardedState, index: Metadata, planner: SliceLoadPlanner) -> None:
+def _check_tensor_extent(path: Path, index: Metadata, key: str, md: TensorStorageMetadata) -> None:
+    """Raise unless tensor ``key`` of the index is covered by chunks inside its shape whose stored bytes hold its
+    elements: a reader allocates the declared shape (``consolidate`` the whole of it), so the shape is bounded by the
+    files' sizes, which the manifest vouches for."""
+    from lightning_osdp.budget import format_bytes
+
+    size = tuple(md.size) if isinstance(md.size, Sequence) else None
+    dtype = getattr(md.properties, "dtype", None)
+    if size is None or not all(isinstance(d, int) and d >= 0 for d in size) or not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"DCP's index of checkpoint {str(path)!r} is damaged: {key!r} has shape {md.size!r}")
+    itemsize = dtype.itemsize
+    covered = stored = 0
+    for chunk in md.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        inside = len(offsets) == len(sizes) == len(size) and all(
+            isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= d
+            for o, n, d in zip(offsets, sizes, size, strict=True)
+        )
+        where = index.storage_data.get(MetadataIndex(key, chunk.offsets)) if inside else None
+        if where is None:
+            raise CheckpointError(
+                f"DCP's index of checkpoint {str(path)!r} is damaged: {key!r} of shape {size} has a chunk at "
+                f"{offsets} of size {sizes}, which lies outside it or has no data"
+            )
+        elements = math.prod(sizes)
+        covered += elements
+        stored += where.length
+        if not getattr(where, "transform_descriptors", None) and elements * itemsize > where.length:
+            stored = -1  # this chunk's bytes cannot hold its elements
+    if covered < math.prod(size) or stored < 0:
+        declared = math.prod(size) * itemsize
+        raise CheckpointError(
+            f"refusing to load checkpoint {str(path)!r}: DCP's index declares {key!r} of shape {size} "
+            f"{str(dtype).removeprefix('torch.')} ({format_bytes(declared)}), but its chunks locate "
+            f"{max(stored, 0)} bytes of it in the checkpoint's files: the index is damaged, or was made to exhaust "
+            "memory. Load another checkpoint"
+        )
+
+
+def _load(
+    state: dict[str, Any],
+    state_ref: ShardedState,
+    directory: CheckpointDirectory,
+    index: Metadata,
+    planner: SliceLoadPlanner,
+) -> None:
     """``dcp.load`` of ``state_ref``'s checkpoint, its failures raised as :class:`CheckpointError` naming the checkpoint
     (our own errors, raised by the planner, as they are)."""
-    reader = IndexedReader(state_ref.path, index, weights_only=state_ref.weights_only)
+    reader = IndexedReader(directory, index, weights_only=state_ref.weights_only)
     try:
         dcp.load(state, storage_reader=reader, planner=planner)
     except CheckpointException as err:
@@ -269,9 +360,9 @@ def _unwrapped(err: CheckpointException, path: Path) -> CheckpointError:
     return CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(first).__name__}: {first}")
 
 
-def saved_model_shapes(path: Path, manifest: layout.Manifest) -> dict[str, tuple[int, ...]]:
+def saved_model_shapes(directory: CheckpointDirectory, manifest: layout.Manifest) -> dict[str, tuple[int, ...]]:
     """The model's keys -> global shapes in a checkpoint directory, from its index (no tensor is read)."""
-    return _saved_shapes(read_index(path, manifest), MODEL_KEY)
+    return _saved_shapes(read_index(directory, manifest), MODEL_KEY)
 
 
 def _saved_shapes(metadata: Metadata, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -291,14 +382,15 @@ def load_sharded_model_state(module: nn.Module, state: ShardedState, *, strict: 
     model fails with a :class:`~lightning_osdp.checkpoint.CheckpointMismatchError` that names the keys.
     """
     slices = SliceMap.of(module)
-    metadata = read_index(state.path, layout.read_manifest(state.path), weights_only=state.weights_only)
+    directory = state.opened()
+    metadata = read_index(directory, layout.read_manifest(directory), weights_only=state.weights_only)
     target: dict[str, Any] = get_model_state_dict(module)
     expected = slices.canonical_shapes({k: v.shape for k, v in target.items()})
     saved = _saved_shapes(metadata, state.key)
     check_model_keys(expected, saved, strict=strict, source=repr(str(state.path)))
     if not strict:
         target = {k: v for k, v in target.items() if slices.canonical(k) in saved}
-    _load({state.key: target}, state, metadata, SliceLoadPlanner(slices, allow_partial_load=not strict))
+    _load({state.key: target}, state, directory, metadata, SliceLoadPlanner(slices, allow_partial_load=not strict))
     set_model_state_dict(module, target, options=StateDictOptions(strict=strict))
 
 
@@ -311,7 +403,8 @@ def load_sharded_optimizer_state(
     ``Optimizer.load_state_dict`` restores them under DDP.
     """
     slices = SliceMap.of(module)
-    metadata = read_index(state.path, layout.read_manifest(state.path), weights_only=state.weights_only)
+    directory = state.opened()
+    metadata = read_index(directory, layout.read_manifest(directory), weights_only=state.weights_only)
     # The template of what to read; on an optimizer without state this runs a zero-gradient step to create it
     # (see `sharded_optimizer_state`), which the load below overwrites.
     if not optimizer.state:
@@ -332,7 +425,7 @@ def load_sharded_optimizer_state(
     # Parameters that had no state when the checkpoint was saved get none now (`load_state_dict` drops it).
     target["state"] = {n: v for n, v in target["state"].items() if slices.canonical(n) in saved}
     box = {state.key: target}
-    _load(box, state, metadata, SliceLoadPlanner(slices))
+    _load(box, state, directory, metadata, SliceLoadPlanner(slices))
     loaded = box[state.key]
     loaded["param_groups"] = slices.sliced_param_groups(loaded["param_groups"])
     with keep_group_types(optimizer):
@@ -340,26 +433,49 @@ def load_sharded_optimizer_state(
 
 
 def read_sharded_tensors(
-    path: str | Path, keys: Sequence[str] | None = None, *, weights_only: bool = True, verify: bool = True
+    path: str | Path | CheckpointDirectory,
+    keys: Sequence[str] | None = None,
+    *,
+    weights_only: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Every tensor of a sharded checkpoint, unsharded, in this process's memory, with no process group.
 
     Returns the nested DCP state: ``{"state_dict": {...}, "optimizer_0": {"state": ..., "param_groups": ...}}``,
     restricted to the top-level ``keys`` when given. For consolidation and inspection: it holds the whole model
-    (and optimizer state) in memory at once. The files are checked first as :func:`open_sharded_checkpoint` checks
-    them (``verify=False``: their checksums were checked by the caller already).
+    (and optimizer state) in memory at once. The files are checked as :func:`open_sharded_checkpoint` checks them,
+    all in this process (``verify=False``: the shards' checksums are not, the caller checked them). ``path`` may be a
+    :class:`~lightning_osdp.checkpoint.CheckpointDirectory` already open. A checkpoint replaced by a newer save while
+    it is read (``last.ckpt`` of a running training) is read again, up to 5 times (see ``files``' [Note: reading a
+    directory that may be replaced]).
     """
-    path = Path(path)
-    if not path.exists():
-        raise layout.missing_checkpoint_error(path)
-    manifest = layout.read_manifest(path)
+    if isinstance(path, CheckpointDirectory):
+        directory = path
+        return _read_tensors(directory, layout.read_manifest(directory), keys, weights_only=weights_only, verify=verify)
+
+    def read() -> dict[str, Any]:
+        with CheckpointDirectory(path) as directory:
+            manifest = layout.read_manifest(directory)
+            return _read_tensors(directory, manifest, keys, weights_only=weights_only, verify=verify)
+
+    return read_retrying(read)
+
+
+def _read_tensors(
+    directory: CheckpointDirectory,
+    manifest: layout.Manifest,
+    keys: Sequence[str] | None,
+    *,
+    weights_only: bool,
+    verify: bool,
+) -> dict[str, Any]:
     if verify:
-        verify_checksums(path, manifest)
-    index = read_index(path, manifest, weights_only=weights_only)
+        verify_checksums(directory, manifest, [name for name in manifest.checksums if name != _INDEX])
+    index = read_index(directory, manifest, weights_only=weights_only)
     state: dict[str, Any] = {}
     # The public `dcp.load` only fills keys the given state dict already has, and this one starts empty.
     try:
-        dcp_load_into_empty(state, IndexedReader(path, index, weights_only=weights_only), keys)
+        dcp_load_into_empty(state, IndexedReader(directory, index, weights_only=weights_only), keys)
     except CheckpointException as err:
-        raise _unwrapped(err, path) from None
+        raise _unwrapped(err, directory.path) from None
     return state

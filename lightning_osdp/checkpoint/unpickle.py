@@ -28,19 +28,23 @@ from __future__ import annotations
 
 import io
 import pickle
-import re
 import zipfile
 from collections import OrderedDict
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from lightning_osdp._compat import dcp_reader_file_system
 from lightning_osdp.checkpoint.errors import CheckpointError, UntrustedContentError
+from lightning_osdp.checkpoint.files import CheckpointDirectory
 
 __all__ = [
     "IndexedReader",
@@ -49,6 +53,7 @@ __all__ = [
     "load_torch_file",
     "read_dcp_index",
     "skim",
+    "unsafe_globals",
     "weights_only_refusal",
 ]
 
@@ -98,34 +103,64 @@ def _part(what: str, path: Path | str) -> str:
     return f"{what} of checkpoint {str(path)!r}" if what else f"checkpoint {str(path)!r}"
 
 
-def _refused_globals(err: BaseException) -> list[str]:
-    """The globals a weights-only load refused, from torch's message (``GLOBAL __main__.Config was not ...``)."""
-    found = re.findall(r"GLOBAL (\S+) was not an allowed global", str(err))
-    names = [name if "." in name else f"builtins.{name}" for name in found]
-    return list(dict.fromkeys(names)) or [f"an object torch refuses ({str(err).splitlines()[-1][:200]})"]
+def unsafe_globals(file: IO[bytes]) -> list[str]:
+    """The globals a ``torch.save`` file's pickle names that ``torch.load(weights_only=True)`` does not create (torch's
+    own allow-list and the user's ``add_safe_globals``), found by reading the pickle's opcodes without running them
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``). Empty for a file that is not a ``torch.save`` file or
+    whose pickle cannot be parsed."""
+    start = file.tell()
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    except Exception:
+        return []
+    finally:
+        file.seek(start)
 
 
-def weights_only_refusal(err: BaseException, path: Path | str, what: str) -> UntrustedContentError | None:
-    """The :class:`UntrustedContentError` to raise when ``err`` is ``torch.load(weights_only=True)`` refusing an
-    object of ``what`` (``"meta.pt"``; empty: the whole file) of checkpoint ``path``; ``None`` for any other error."""
-    if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
-        return _refusal(path, what, _refused_globals(err))
-    return None
+def weights_only_refusal(err: BaseException, file: IO[bytes], path: Path | str, what: str) -> CheckpointError | None:
+    """The error to raise when ``torch.load(weights_only=True)`` of ``file`` (``what`` of checkpoint ``path``:
+    ``"meta.pt"``; empty: the whole file) raised ``err``; ``None`` when ``err`` is not an unpickling error.
+
+    A refusal is recognised by what the file's pickle names (:func:`unsafe_globals`), not by the words of torch's
+    message: an :class:`UntrustedContentError` naming those globals. An unpickling error with no such global is a
+    damaged pickle: a :class:`CheckpointError` that says so.
+    """
+    if not isinstance(err, pickle.UnpicklingError):
+        return None
+    names = unsafe_globals(file)
+    if names:
+        return _refusal(path, what, names)
+    reason = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"cannot read {_part(what, path)}: its pickle is damaged ({reason})")
 
 
-def load_torch_file(path: Path, *, weights_only: bool, what: str, source: Path | str | None = None) -> Any:
-    """``torch.load(path)`` on CPU, ``weights_only`` unless the caller trusts the file.
+def load_torch_file(
+    file: IO[bytes] | bytes | Path, *, weights_only: bool, what: str, source: Path | str | None = None
+) -> Any:
+    """``torch.load`` of an open file, its bytes, or a path, on CPU, ``weights_only`` unless the caller trusts the file.
+
+    Args:
+        source: the checkpoint, for messages (default: ``file`` when it is a path).
 
     Raises:
-        UntrustedContentError: the file needs more than plain data; the message names the classes and how to opt in.
+        UntrustedContentError: the file needs more than plain data; the message names the classes and how to opt in
+            (or, for a pickle that names functions that run code, says not to load it).
+        CheckpointError: the file cannot be read (damaged).
     """
+    if isinstance(file, Path):
+        with open(file, "rb") as opened:
+            return load_torch_file(opened, weights_only=weights_only, what=what, source=source or file)
+    where = source if source is not None else "<memory>"
+    stream = io.BytesIO(file) if isinstance(file, bytes) else file
+    start = stream.tell()
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        refusal = weights_only_refusal(err, source or path, what)
+        return torch.load(stream, map_location="cpu", weights_only=weights_only)
+    except Exception as err:
+        stream.seek(start)
+        refusal = weights_only_refusal(err, stream, where, what)
         if refusal is not None:
             raise refusal from None
-        raise CheckpointError(f"cannot read {_part(what, source or path)}: {err}") from err
+        raise CheckpointError(f"cannot read {_part(what, where)}: {type(err).__name__}: {err}") from err
 
 
 def load_item(data: IO[bytes], *, fqn: str, path: Path | str) -> None:
@@ -135,18 +170,26 @@ def load_item(data: IO[bytes], *, fqn: str, path: Path | str) -> None:
     start = data.tell()
     try:
         torch.load(data, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise _refusal(path, f"item {fqn!r}", _refused_globals(err)) from None
+    except Exception as err:
+        data.seek(start)
+        refusal = weights_only_refusal(err, data, path, f"item {fqn!r}")
+        if refusal is not None:
+            raise refusal from None
+        raise CheckpointError(f"cannot read item {fqn!r} of checkpoint {str(path)!r}: {err}") from err
     data.seek(start)
 
 
 class IndexedReader(FileSystemReader):
-    """DCP's reader of checkpoint directory ``path`` that hands DCP ``index`` (read and checked already, by
+    """DCP's reader of the checkpoint ``directory`` holds: it reads every file relative to that open directory (see
+    ``files``' [Note: reading a directory that may be replaced]), hands DCP ``index`` (read and checked already, by
     :func:`read_dcp_index`: DCP itself would ``pickle.load`` the file) and, unless ``weights_only=False``, checks each
     non-tensor item to be plain data (:func:`load_item`) before the planner unpickles it, whatever the planner."""
 
-    def __init__(self, path: Path, index: dcp_metadata.Metadata, *, weights_only: bool = True) -> None:
-        super().__init__(path)
+    def __init__(
+        self, directory: CheckpointDirectory, index: dcp_metadata.Metadata, *, weights_only: bool = True
+    ) -> None:
+        super().__init__(directory.path)
+        dcp_reader_file_system(self, replace_with=_DirectoryFileSystem(directory))
         self._index = index
         self._weights_only = weights_only
 
@@ -160,6 +203,20 @@ class IndexedReader(FileSystemReader):
         if self._weights_only:
             planner = cast(LoadPlanner, _PlainItems(planner, self.path))
         return super().read_data(plan, planner)
+
+
+class _DirectoryFileSystem(FileSystem):
+    """DCP's local file system, reading the files of one open checkpoint directory (by name, relative to it)."""
+
+    def __init__(self, directory: CheckpointDirectory) -> None:
+        self._directory = directory
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
+        if mode != "rb":
+            raise CheckpointError(f"a checkpoint being read is not written to ({path!r}, mode {mode!r})")
+        with self._directory.open(Path(path).name) as stream:
+            yield stream
 
 
 class _PlainItems:
@@ -199,6 +256,14 @@ _INDEX_CLASSES = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global an index must not name, found by :class:`_IndexUnpickler` (``name``: ``module.attribute``)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _INDEX_CLASSES.get(module, ()):
@@ -207,31 +272,28 @@ class _IndexUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
                 return value
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("a persistent id")
+        raise _Refused("a persistent id")
 
 
-def read_dcp_index(path: Path, *, weights_only: bool = True) -> dcp_metadata.Metadata:
-    """DCP's index ``.metadata`` of checkpoint directory ``path``, created from its own types only (see [Note:
+def read_dcp_index(data: bytes, *, source: Path | str, weights_only: bool = True) -> dcp_metadata.Metadata:
+    """DCP's index (the bytes of ``.metadata`` of checkpoint ``source``), created from its own types only (see [Note:
     pickles in a checkpoint]); ``weights_only=False`` unpickles it as DCP does.
 
     Raises:
         UntrustedContentError: the index names anything else.
     """
-    file = path / ".metadata"
     try:
-        with open(file, "rb") as f:
-            index = (_IndexUnpickler(f) if weights_only else pickle.Unpickler(f)).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no DCP index '.metadata'") from None
-    except pickle.UnpicklingError as err:
-        raise _refusal(path, "DCP's index '.metadata'", [str(err)], allow_list=False) from None
-    except Exception as err:  # a damaged file: EOFError, ValueError...
-        raise CheckpointError(f"cannot read DCP's index '.metadata' of checkpoint {str(path)!r}: {err!r}") from err
+        stream = io.BytesIO(data)
+        index = (_IndexUnpickler(stream) if weights_only else pickle.Unpickler(stream)).load()
+    except _Refused as err:
+        raise _refusal(source, "DCP's index '.metadata'", [err.name], allow_list=False) from None
+    except Exception as err:  # a damaged file: EOFError, UnpicklingError, ValueError...
+        raise CheckpointError(f"cannot read DCP's index '.metadata' of checkpoint {str(source)!r}: {err!r}") from err
     if not isinstance(index, dcp_metadata.Metadata):
-        raise CheckpointError(f"'.metadata' of checkpoint {str(path)!r} is not a DCP index")
+        raise CheckpointError(f"'.metadata' of checkpoint {str(source)!r} is not a DCP index")
     return index
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_osdp.budget import CUDA_RESERVE_BYTES, format_bytes, parse_memory_budget
+from lightning_osdp.budget import CUDA_RESERVE_BYTES, check_memory_budget, format_bytes
 from lightning_osdp.cli.batch import BatchSource, batch_source
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile, largest_batch
@@ -216,7 +216,7 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     memory = args.memory if args.memory is not None else config.memory_budget
     try:
         if memory is not None:
-            budget, budget_source = parse_memory_budget(memory), "given"
+            budget, budget_source = check_memory_budget(memory), "given"
         elif figures.memory_bytes:
             budget = figures.memory_bytes - CUDA_RESERVE_BYTES
             budget_source = f"the GPU's {format_bytes(figures.memory_bytes)} less {format_bytes(CUDA_RESERVE_BYTES)}"
