@@ -76,10 +76,9 @@ class _TorchFile:
         try:
             content = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except pickle.UnpicklingError as err:
-            refusal = weights_only_refusal(err, path, "")
-            if refusal is not None:
-                raise refusal from None
-            raise CheckpointError(f"cannot read pretrained weights {str(path)!r}: {err}") from err
+            with open(path, "rb") as file:
+                refusal = weights_only_refusal(err, file, path, "")
+            raise (refusal or CheckpointError(f"cannot read pretrained weights {str(path)!r}: {err}")) from None
         except RuntimeError as err:
             raise CheckpointError(
                 f"cannot read pretrained weights {str(path)!r} ({err}); a file written by torch.save (zip format) "
