@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightning_osdp.errors import PlanError
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -156,7 +158,6 @@ def communication_units(
         PlanError: a tie between a decision and an ancestor's decision, tied decisions of different modes, or the
             split of a tied holder (see [Note: tied parameters]).
     """
-    from lightning_osdp.plan import PlanError
 
     parent = {name: name for name in decisions}
 

@@ -27,6 +27,8 @@ from lightning_osdp._compat import MultiProcessingLauncher, WorkerOutput
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_osdp.strategy import OSDPStrategy
+
 __all__: list[str] = []
 
 
@@ -61,10 +63,7 @@ class _OSDPMultiProcessingLauncher(MultiProcessingLauncher):
 
     @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> WorkerOutput | None:
-        from lightning_osdp.strategy import OSDPStrategy
-
-        strategy = self._strategy
-        assert isinstance(strategy, OSDPStrategy)
+        strategy: OSDPStrategy = self._strategy  # type: ignore[assignment]  # this launcher is OSDPStrategy's
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         # Collective: every rank takes part in gathering the shards.

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_osdp.errors import PlanError
 from lightning_osdp.grouping import ROOT, covering_decision
 from lightning_osdp.solve_report import SolveReport
 
@@ -63,10 +64,6 @@ _READS_VERSIONS = (1, 2)
 
 # The solver's `info` is 3 levels deep; Python's JSON encoder (with `indent`) recurses per level.
 _MAX_INFO_NESTING = 64
-
-
-class PlanError(ValueError):
-    """A plan, or a plan file, that cannot be applied; the message names the offending entry."""
 
 
 @dataclass(frozen=True)

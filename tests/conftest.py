@@ -58,6 +58,37 @@ def torchrun(
     return proc
 
 
+def run_example(
+    example: str, config: str, steps: int, log_dir: Path, *, timeout: float = 300, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``python examples/EXAMPLE/train.py fit --config examples/EXAMPLE/configs/CONFIG`` as the README runs it,
+    shortened to ``steps`` steps (validation once, at the end, on 2 batches; every step logged under ``log_dir``;
+    200 kB of text); fails the test with the output when it does not exit 0."""
+    cmd = [
+        sys.executable,
+        f"examples/{example}/train.py",
+        "fit",
+        "--config",
+        f"examples/{example}/configs/{config}",
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.val_check_interval",
+        str(steps),
+        "--trainer.limit_val_batches",
+        "2",
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.logger.init_args.save_dir",
+        str(log_dir),
+        "--data.max_bytes",
+        "200000",
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
 @pytest.fixture(scope="session")
 def world1() -> Iterator[object]:
     """A real one-rank gloo process group and 1-D device mesh in this process (FSDP2 needs a group), destroyed at the

@@ -7,6 +7,7 @@ divide (vocabulary 37, width 21, MLP 85).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -274,3 +275,31 @@ class GANDataset(Dataset[tuple[Tensor, Tensor]]):
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
         return self.real[i], self.z[i]
+
+
+def quiet_trainer(strategy: Any, *, devices: int = 2, **kwargs: Any) -> L.Trainer:
+    """A CPU Trainer for the tests' runs: no logger, checkpoints, progress bar or model summary unless asked."""
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(strategy=strategy, **{**settings, **kwargs})
+
+
+def gpt_step(
+    root: nn.Module, optimizer: torch.optim.Optimizer, tokens: Tensor, between: Callable[[], None] | None = None
+) -> None:
+    """One step of TinyGPT's own loss (what its training_step, which a profile runs, computes) through ``root`` (the
+    model as a plan applied it); ``between`` runs after the loss and after the backward (a memory window's edges)."""
+    loss = nn.functional.cross_entropy(root(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    if between is not None:
+        between()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if between is not None:
+        between()
+    optimizer.step()

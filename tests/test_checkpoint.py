@@ -30,7 +30,6 @@ from lightning_osdp import checkpoint as ckpt
 from lightning_osdp.apply.split import split_linear
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint import layout
-from lightning_osdp.checkpoint.consolidate import main as consolidate_main
 from lightning_osdp.checkpoint.keys import (
     check_model_keys,
     check_optimizer_state,
@@ -40,6 +39,7 @@ from lightning_osdp.checkpoint.keys import (
     optimizer_state_to_native,
     split_state_keys,
 )
+from lightning_osdp.cli.consolidate import main as consolidate_main
 
 from conftest import ROOT, child_env, torchrun
 from models import TinyGPT

@@ -11,7 +11,6 @@ import csv
 import importlib.util
 import itertools
 import math
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import torch
 from lightning_osdp import OSDPStrategy, Plan, parse_memory_budget
 from lightning_osdp.apply import plan_units
 
-from conftest import ROOT, child_env
+from conftest import ROOT, run_example
 
 GPT_DIR = ROOT / "examples" / "gpt"
 MIXER_DIR = ROOT / "examples" / "mixer"
@@ -320,27 +319,7 @@ def test_mixer_configs_build_the_documented_strategies(monkeypatch: pytest.Monke
 @pytest.mark.slow
 def test_gpt_example_trains_on_two_processes_from_its_command_line(tmp_path: Path) -> None:
     """The README's command, shortened to 5 steps: two gloo ranks, the committed plan, finite synced metrics."""
-    cmd = [
-        sys.executable,
-        "examples/gpt/train.py",
-        "fit",
-        "--config",
-        "examples/gpt/configs/osdp_plan.yaml",
-        "--trainer.max_steps",
-        "5",
-        "--trainer.val_check_interval",
-        "5",
-        "--trainer.limit_val_batches",
-        "2",
-        "--trainer.log_every_n_steps",
-        "1",
-        "--trainer.logger.init_args.save_dir",
-        str(tmp_path),
-        "--data.max_bytes",
-        "200000",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    proc = run_example("gpt", "osdp_plan.yaml", 5, tmp_path, timeout=180)
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stdout + proc.stderr
     summary = [line for line in proc.stdout.splitlines() if line.startswith("GPT example: step 5:")]
     assert len(summary) == 1, proc.stdout[-4000:]  # printed by rank 0 only

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,50 @@ def test_the_parser_s_vocabulary_matches_the_package() -> None:
     assert [type(o).__name__ for o in built.values()] == ["AdamW", "Adam", "SGD", "SGD"]
     assert built["sgd"].defaults["lr"] == 0.1 and built["sgd"].defaults["momentum"] == 0.0
     assert built["sgd-momentum"].defaults["momentum"] == 0.9
+
+
+def test_no_two_modules_import_each_other_at_import_time() -> None:
+    """Imports between the package's modules, those inside functions included (a lazy import only hides a cycle), but
+    not the packages' ``__init__`` re-exports nor imports under ``TYPE_CHECKING`` or in a script's ``__main__`` block,
+    form no cycle: a name two stages share lives where both can import it (``lightning_osdp/errors.py``, say)."""
+    import ast
+
+    from conftest import ROOT
+
+    modules = {}
+    for path in (ROOT / "lightning_osdp").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    packages = {n for n, p in modules.items() if p.name == "__init__.py"}
+
+    def imports(path: Path) -> set[str]:
+        found: set[str] = set()
+
+        def visit(node: ast.AST) -> None:
+            if isinstance(node, ast.If) and any(k in ast.unparse(node.test) for k in ("TYPE_CHECKING", "__main__")):
+                return
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+        visit(ast.parse(path.read_text()))
+        return {m for m in found if m in modules and m not in packages}
+
+    graph = {name: imports(path) for name, path in modules.items() if name not in packages}
+    cycles = []
+
+    def walk(start: str, node: str, path: list[str]) -> None:
+        for nxt in graph.get(node, ()):
+            if nxt == start:
+                cycles.append(" -> ".join([*path, start]))
+            elif nxt not in path and len(path) < 8:
+                walk(start, nxt, [*path, nxt])
+
+    for name in graph:
+        walk(name, name, [name])
+    assert cycles == []

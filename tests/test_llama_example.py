@@ -10,7 +10,6 @@ import csv
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from lightning_osdp import OSDPStrategy
 
-from conftest import ROOT, child_env
+from conftest import ROOT, run_example
 
 LLAMA_DIR = ROOT / "examples" / "llama"
 for _path in (LLAMA_DIR, ROOT / "examples" / "gpt"):
@@ -156,27 +155,7 @@ def test_the_8b_config_dry_runs_on_the_torchtitan_preset(capsys: pytest.CaptureF
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_llama_example_trains_on_two_processes_with_strategy_osdp(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        "examples/llama/train.py",
-        "fit",
-        "--config",
-        "examples/llama/configs/osdp.yaml",
-        "--trainer.max_steps",
-        "6",
-        "--trainer.val_check_interval",
-        "6",
-        "--trainer.limit_val_batches",
-        "2",
-        "--trainer.log_every_n_steps",
-        "1",
-        "--trainer.logger.init_args.save_dir",
-        str(tmp_path),
-        "--data.max_bytes",
-        "200000",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    proc = run_example("llama", "osdp.yaml", 6, tmp_path)
     summary = [line for line in proc.stdout.splitlines() if line.startswith("Llama example: step 6:")]
     assert len(summary) == 1, proc.stdout[-4000:]
     assert "on 2 ranks" in summary[0]

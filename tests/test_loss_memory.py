@@ -20,7 +20,7 @@ from lightning_osdp.cost_model import CostModelConfig
 from lightning_osdp.profiling.model_profile import CollectiveFit, LossMemory
 from lightning_osdp.solver import minimum_budget, solve
 
-from models import BackwardBuffer, TinyGPT, loaders
+from models import BackwardBuffer, TinyGPT, loaders, quiet_trainer
 from synthetic import one_linear
 
 N, V = 16, 1000  # tokens and vocabulary of the head below: its logits are N * V * 4 = 64,000 bytes
@@ -164,15 +164,10 @@ def test_profiles_of_version_2_load_without_a_loss_region(tmp_path: Path) -> Non
 
 
 def _fit(strategy: OSDPStrategy, callback: Callback, steps: int, **kwargs: Any) -> L.Trainer:
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        strategy,
         devices=1,
-        strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
     )
     trainer.fit(TinyGPT(), loaders()[0], **kwargs)

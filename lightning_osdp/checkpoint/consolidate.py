@@ -12,8 +12,6 @@ process group and no GPU, but holds the whole model and optimizer state in memor
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,13 +124,7 @@ def _tuples(osd: dict[str, Any]) -> dict[str, Any]:
     return {**osd, "param_groups": groups}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: ``osdp consolidate`` with ``argv`` (default ``sys.argv[1:]``); returns its exit
-    status (2 when the checkpoint is refused, with the reason on stderr)."""
-    from lightning_osdp.cli import main as osdp
+if __name__ == "__main__":  # `python -m lightning_osdp.checkpoint.consolidate SRC OUT`: the CLI's verb
+    from lightning_osdp.cli.consolidate import main
 
-    return osdp(["consolidate", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

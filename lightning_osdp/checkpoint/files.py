@@ -45,7 +45,14 @@ from typing import IO, Any, TypeVar
 
 from lightning_osdp.checkpoint.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
-__all__ = ["CheckpointDirectory", "CheckpointReplacedError", "read_retrying"]
+__all__ = [
+    "MANIFEST",
+    "CheckpointDirectory",
+    "CheckpointReplacedError",
+    "leftovers",
+    "missing_checkpoint_error",
+    "read_retrying",
+]
 
 T = TypeVar("T")
 _CHUNK = 1 << 23
@@ -60,6 +67,33 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 class CheckpointReplacedError(CheckpointError):
     """The checkpoint was replaced by a newer save (``last.ckpt`` saved again) while it was being read: nothing of it
     was used. Read it again."""
+
+
+#: The manifest's file name: a sharded checkpoint's commit record (``layout.py`` writes it).
+MANIFEST = "osdp.json"
+
+
+def leftovers(path: Path) -> list[Path]:
+    """Temporary or set-aside siblings of ``path`` left by interrupted saves (``.tmp-*``, ``.old-*``)."""
+    parent = path.parent
+    if not parent.is_dir():
+        return []
+    prefixes = (f"{path.name}.tmp-", f"{path.name}.old-")
+    return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes))
+
+
+def missing_checkpoint_error(path: Path) -> CheckpointError:
+    """The error for a checkpoint path that does not exist, naming what interrupted saves left beside it."""
+    found = leftovers(path)
+    if not found:
+        return CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    complete = [p for p in found if p.is_file() or (p / MANIFEST).is_file()]
+    detail = (
+        f"; the previous checkpoint was set aside intact at {str(complete[0])!r} by an interrupted save"
+        if complete
+        else f"; an interrupted save left {', '.join(repr(str(p)) for p in found)}, which is incomplete"
+    )
+    return CheckpointError(f"checkpoint {str(path)!r} does not exist{detail}")
 
 
 class CheckpointDirectory:
@@ -78,8 +112,6 @@ class CheckpointDirectory:
         try:
             fd = os.open(self.path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
         except FileNotFoundError:
-            from lightning_osdp.checkpoint.layout import missing_checkpoint_error
-
             raise missing_checkpoint_error(self.path) from None
         except NotADirectoryError:
             raise CheckpointError(f"checkpoint {str(self.path)!r} is not a directory") from None

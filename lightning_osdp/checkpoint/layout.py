@@ -60,7 +60,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_osdp.checkpoint.errors import CheckpointError, IncompleteCheckpointError
-from lightning_osdp.checkpoint.files import CheckpointDirectory, CheckpointReplacedError, opened
+from lightning_osdp.checkpoint.files import (
+    MANIFEST,
+    CheckpointDirectory,
+    CheckpointReplacedError,
+    leftovers,
+    missing_checkpoint_error,
+    opened,
+)
 from lightning_osdp.checkpoint.integrity import CHECKSUM_PATTERN, file_checksum
 
 __all__ = [
@@ -90,7 +97,6 @@ __all__ = [
 CHECKPOINT_FORMAT = "lightning_osdp.checkpoint"
 #: Layout version this release writes and reads.
 CHECKPOINT_VERSION = 1
-MANIFEST = "osdp.json"
 META = "meta.pt"
 PLAN = "plan.json"
 PROFILE = "profile.json"
@@ -305,15 +311,6 @@ def temporary_path(path: Path, token: str) -> Path:
     return path.with_name(f"{path.name}.tmp-{token}")
 
 
-def leftovers(path: Path) -> list[Path]:
-    """Temporary or set-aside siblings of ``path`` left by interrupted saves (``.tmp-*``, ``.old-*``)."""
-    parent = path.parent
-    if not parent.is_dir():
-        return []
-    prefixes = (f"{path.name}.tmp-", f"{path.name}.old-")
-    return sorted(p for p in parent.iterdir() if p.name.startswith(prefixes))
-
-
 def write_manifest(directory: Path, manifest: Manifest, checksums: Mapping[str, str] | None = None) -> None:
     """Record every file of ``directory`` with its size and checksum, then write the manifest durably (the commit
     record). ``checksums`` are those computed while the files were written (``integrity.written_checksums``); the
@@ -383,20 +380,6 @@ def _read_manifest(directory: CheckpointDirectory) -> Manifest:
             + ", ".join(lost)
         )
     return manifest
-
-
-def missing_checkpoint_error(path: Path) -> CheckpointError:
-    """The error for a checkpoint path that does not exist, naming what interrupted saves left beside it."""
-    found = leftovers(path)
-    if not found:
-        return CheckpointError(f"checkpoint {str(path)!r} does not exist")
-    complete = [p for p in found if p.is_file() or (p / MANIFEST).is_file()]
-    detail = (
-        f"; the previous checkpoint was set aside intact at {str(complete[0])!r} by an interrupted save"
-        if complete
-        else f"; an interrupted save left {', '.join(repr(str(p)) for p in found)}, which is incomplete"
-    )
-    return CheckpointError(f"checkpoint {str(path)!r} does not exist{detail}")
 
 
 def commit(tmp: Path, path: Path) -> None:

@@ -332,13 +332,3 @@ class UnitTime:
             self.unoverlapped + other.unoverlapped,
             self.contention + other.contention,
         )
-
-
-def collective_seconds(profile: ModelProfile, op: str, nbytes: float, world_size: int) -> float:
-    """One call of collective ``op`` on a buffer of ``nbytes`` (its full size) over a world of ``world_size`` ranks on
-    one node, from the profile's fit (the cost model itself prices every group of a topology: ``network.py``)."""
-    from lightning_osdp.cost_model.network import Network
-    from lightning_osdp.topology import Topology
-
-    topology = Topology.flat(max(world_size, 1))
-    return Network(profile, topology).seconds(op, nbytes, topology.world)

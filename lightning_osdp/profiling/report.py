@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from lightning_osdp.budget import format_bytes
-from lightning_osdp.profiling.model_profile import ModelProfile
+
+if TYPE_CHECKING:  # the profile renders itself through this module: a runtime import would be a cycle
+    from lightning_osdp.profiling.model_profile import ModelProfile
 
 __all__ = ["format_profile", "print_profile", "profile_tables"]
 

@@ -20,7 +20,7 @@ from clean_exit import finish
 
 from lightning_osdp import OSDPStrategy, Plan, minimum_budget, predict, profile
 
-from models import TinyGPT, loaders
+from models import TinyGPT, loaders, quiet_trainer
 
 HEADROOM = 0.02
 
@@ -29,15 +29,9 @@ def fit(strategy: OSDPStrategy) -> dict[str, Any]:
     L.seed_everything(0)
     model = TinyGPT(width=48, hidden=192, layers=4)
     train, _ = loaders(batch_size=8)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        strategy,
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, train)
     peak = torch.tensor([strategy.peak_memory_bytes], dtype=torch.float64)

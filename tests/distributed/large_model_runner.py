@@ -142,7 +142,7 @@ def main() -> None:
     images = DataLoader(ImageDataset(), batch_size=8)
     for path_kind in ("eager", "meta"):
         L.seed_everything(0)
-        strategy = OSDPStrategy(memory_budget="1GiB")
+        strategy = OSDPStrategy(memory_budget="1GiB", plan_out=out / f"{path_kind}.plan.json")
         if path_kind == "eager":
             t, model = trainer(strategy), BatchNormCNN()
         else:

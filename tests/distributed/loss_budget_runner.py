@@ -32,7 +32,7 @@ from lightning_osdp import OSDPStrategy, Plan, predict, profile
 from lightning_osdp.solver import minimum_budget
 from lightning_osdp.solver.policy import smallest_memory_budget
 
-from models import BackwardBuffer
+from models import BackwardBuffer, quiet_trainer
 
 VOCAB, WIDTH, CONTEXT, BATCH = 4096, 64, 32, 2
 
@@ -71,15 +71,9 @@ def loader() -> DataLoader[Tensor]:
 def fit(strategy: OSDPStrategy, callbacks: list[Callback], steps: int = 5, **kwargs: Any) -> dict[str, Any]:
     """Train; the plan, its prediction, rank 0's peak, every rank's largest, and the warnings rank 0 saw."""
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     with warnings.catch_warnings(record=True) as caught:

@@ -24,7 +24,7 @@ from clean_exit import finish
 from lightning_osdp import Decision, Plan, apply_plan, predict, profile
 from lightning_osdp.memory import LiveStorageTracker
 
-from models import TinyGPT, loaders
+from models import TinyGPT, gpt_step, loaders
 
 PLANS: dict[str, dict[str, Any]] = {
     "full_shard": {"": "no_shard", **{f"h.{i}": "full_shard" for i in range(3)}},
@@ -46,21 +46,13 @@ def model() -> TinyGPT:
     return TinyGPT(width=48, hidden=192)
 
 
-def step(root: torch.nn.Module, lm: TinyGPT, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
-    # TinyGPT's own loss (what its training_step, which the profile ran, computes), through the FSDP2 root.
-    loss = torch.nn.functional.cross_entropy(root(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-
-
 def run(name: str, tokens: torch.Tensor, prof: Any) -> dict[str, Any]:
     lm = model()
     plan = Plan(PLANS[name])
     root = apply_plan(lm, plan, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-3)
-    step(root, lm, optimizer, tokens)  # lazy init, optimizer state
-    step(root, lm, optimizer, tokens)  # DDP's bucket rebuild
+    gpt_step(root, optimizer, tokens)  # lazy init, optimizer state
+    gpt_step(root, optimizer, tokens)  # DDP's bucket rebuild
     calls = 0
     # FSDP2's all-gather (and OSDP's on CPU, comm.py) is one of these, whichever this torch has: count the calls.
     names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
@@ -78,7 +70,7 @@ def run(name: str, tokens: torch.Tensor, prof: Any) -> dict[str, Any]:
         setattr(dist, n, counting(originals[n]))
     tracker = LiveStorageTracker().start(lm, optimizer)
     try:
-        step(root, lm, optimizer, tokens)
+        gpt_step(root, optimizer, tokens)
     finally:
         for n in names:
             setattr(dist, n, originals[n])

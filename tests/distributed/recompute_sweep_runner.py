@@ -22,7 +22,7 @@ from clean_exit import finish
 
 from lightning_osdp import OSDPStrategy, Plan, minimum_budget, predict, profile
 
-from models import TinyGPT, TokenDataset
+from models import TinyGPT, TokenDataset, quiet_trainer
 
 HEADROOM = 0.02
 BUDGETS = 6
@@ -41,15 +41,9 @@ def loader() -> DataLoader:
 def fit(strategy: OSDPStrategy) -> dict[str, Any]:
     L.seed_everything(0)
     lm = model()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        strategy,
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(lm, loader())
     peak = torch.tensor([strategy.peak_memory_bytes], dtype=torch.float64)

@@ -36,7 +36,7 @@ from clean_exit import finish
 from lightning_osdp import Decision, Plan, apply_plan, predict, profile
 from lightning_osdp.memory import LiveStorageTracker
 
-from models import TinyGPT, loaders
+from models import TinyGPT, gpt_step, loaders
 
 BLOCKS = 3
 RECOMPUTE_SGO = Decision("shard_grad_op", recompute=True)
@@ -128,13 +128,7 @@ def model() -> TinyGPT:
 
 
 def step(root: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, windows: Windows) -> None:
-    # TinyGPT's own loss (what its training_step, which the profile ran, computes), through the FSDP2 root.
-    loss = torch.nn.functional.cross_entropy(root(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
-    windows.enter(None)  # the loss is no block's
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    windows.enter(None)
-    optimizer.step()
+    gpt_step(root, optimizer, tokens, between=lambda: windows.enter(None))  # the loss is no block's
 
 
 def run(name: str, tokens: torch.Tensor, prof: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from clean_exit import finish
 
 from lightning_osdp import Decision, OSDPStrategy, Plan, minimum_budget, predict, profile
 
-from models import BatchNormCNN, GANDataset, ImageDataset, ManualGAN, TinyGPT, TokenDataset
+from models import BatchNormCNN, GANDataset, ImageDataset, ManualGAN, TinyGPT, TokenDataset, quiet_trainer
 
 HEADROOM = 0.02
 
@@ -132,16 +132,10 @@ def run(case: str, out: Path) -> None:
     counters.clear()
     L.seed_everything(0, workers=True)
     model = build()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        strategy,
         max_epochs=2,
         limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         deterministic=True,
         **trainer_kwargs,
     )
