@@ -46,7 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
+from lightning_osdp.profiling.model_profile import ModuleProfile
 
 __all__ = [
     "NOT_CAST_BY_AUTOCAST",
