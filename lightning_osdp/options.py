@@ -147,17 +147,20 @@ def check_max_split(value: Any) -> int:
     return _integer("max_split", value, minimum=1)
 
 
-def check_activation_checkpointing(value: Any) -> bool | Literal["auto"]:
-    """``"auto"``, ``True`` or ``False`` (YAML's ``true``/``false``; the strings ``"true"``/``"false"`` too)."""
-    if isinstance(value, str) and value.lower() in ("true", "false"):
+def check_activation_checkpointing(value: Any) -> bool | Literal["auto", "selective", "full"]:
+    """``"auto"``, ``"selective"``, ``"full"``, ``True`` (``"full"``) or ``False`` (YAML's ``true``/``false``; the
+    strings ``"true"``/``"false"`` too; ``"none"`` is ``False``)."""
+    if isinstance(value, str) and value.lower() in ("true", "false", "none"):
         return value.lower() == "true"
     if value is True or value is False:
         return bool(value)
-    if value == "auto":
-        return "auto"
+    if value in ("auto", "selective", "full"):
+        return cast(Literal["auto", "selective", "full"], value)
     raise ValueError(
-        f"OSDPStrategy(activation_checkpointing={value!r}): expected 'auto' (the planner recomputes a unit's "
-        "activations where that pays), True (every unit that saves activations recomputes them) or False (none does)"
+        f"OSDPStrategy(activation_checkpointing={value!r}): expected 'auto' (the planner chooses per unit among "
+        "keeping its activations, selective and full recomputation, where each pays), 'selective' (every unit that "
+        "saves activations keeps only its matrix-product and attention outputs and recomputes the rest), 'full' or "
+        "True (every such unit keeps only its inputs and recomputes its whole forward) or False (none recomputes)"
     )
 
 

@@ -12,8 +12,11 @@ earlier call on a submodule. Each decided module is therefore one *communication
 all-gathered in one collective and its gradients reduced in one collective. Parameters under no decision at
 all belong to the root unit ``""``, which is ``no_shard`` unless the plan says otherwise.
 
-A decision's ``recompute`` covers the decided module's whole forward (its subtree): it runs under activation
-checkpointing, saving only its inputs, and backward runs it once more (see ``lightning_osdp/apply/recompute.py``).
+A decision's ``recompute`` covers the decided module's whole forward (its subtree) and is one of
+:data:`RECOMPUTATIONS`: ``"none"`` (it saves what autograd saves), ``"full"`` (activation checkpointing: it saves
+only its inputs, and backward runs its forward once more) or ``"selective"`` (per-operator checkpointing: it also
+keeps the outputs of its matrix products and attention, and backward runs only the other operators again); see
+``lightning_osdp/apply/recompute.py``.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ __all__ = [
     "MODES",
     "PLAN_FORMAT",
     "PLAN_VERSION",
+    "RECOMPUTATIONS",
     "Decision",
     "DecisionLike",
     "Mode",
     "Plan",
     "PlanError",
+    "Recomputation",
     "default_units",
 ]
 
@@ -55,12 +60,19 @@ Mode = Literal["no_shard", "shard_grad_op", "full_shard", "hybrid_shard"]
 #: FSDP2 on a 2-D mesh; see ``lightning_osdp/topology.py``). On one node of one group it is ``full_shard``.
 MODES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
 
+Recomputation = Literal["none", "selective", "full"]
+
+#: What a decision's ``recompute`` may be: nothing recomputed, per-operator (selective) or whole-forward recomputation.
+RECOMPUTATIONS: tuple[str, ...] = ("none", "selective", "full")
+
 #: ``format`` field of a plan file.
 PLAN_FORMAT = "lightning_osdp.plan"
 #: ``version`` field of a plan file this release writes (it reads this one and every earlier one).
-#: Version 2 added a decision's ``recompute``; a version-1 file is read with ``recompute`` false everywhere.
-PLAN_VERSION = 2
-_READS_VERSIONS = (1, 2)
+#: Version 2 added a decision's ``recompute`` (``true``/``false``); a version-1 file is read with ``"none"`` everywhere.
+#: Version 3 makes it one of :data:`RECOMPUTATIONS` (``"selective"`` is new); a version-2 file's ``true`` reads as
+#: ``"full"`` and ``false`` as ``"none"`` (version 3 accepts the booleans too, with the same meaning).
+PLAN_VERSION = 3
+_READS_VERSIONS = (1, 2, 3)
 
 # The solver's `info` is 3 levels deep; Python's JSON encoder (with `indent`) recurses per level.
 _MAX_INFO_NESTING = 64
@@ -74,34 +86,55 @@ class Decision:
         mode: one of :data:`MODES`.
         split: operator-splitting factor; ``k > 1`` cuts the module (an ``nn.Linear``) into ``k`` slices along
             its output features that run one after another, each its own communication unit.
-        recompute: run the module's forward under activation checkpointing: it keeps only its inputs for backward,
-            and backward runs the forward again (``Decision("full_shard", recompute=True)``; in a plan file
-            ``{"mode": "full_shard", "recompute": true}``).
+        recompute: one of :data:`RECOMPUTATIONS`. ``"full"``: the module's forward runs under activation
+            checkpointing, keeping only its inputs for backward, and backward runs the forward again
+            (``Decision("full_shard", recompute="full")``; in a plan file ``{"mode": "full_shard", "recompute":
+            "full"}``). ``"selective"``: per-operator checkpointing, which also keeps the outputs of matrix products
+            and attention and runs only the other operators again. ``"none"``: neither. ``True`` and ``False`` are
+            read as ``"full"`` and ``"none"`` (the attribute always holds the string).
     """
 
     mode: str
     split: int = 1
-    recompute: bool = False
+    recompute: Recomputation = "none"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise PlanError(f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
             raise PlanError(f"split must be an integer >= 1, got {self.split!r}")
-        if not isinstance(self.recompute, bool):
-            raise PlanError(f"recompute must be true or false, got {self.recompute!r}")
+        # Frozen: the normalised value is set the way dataclasses set fields.
+        object.__setattr__(self, "recompute", as_recomputation(self.recompute))
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the module's forward runs again in backward, wholly or selectively."""
+        return self.recompute != "none"
 
     def to_dict(self) -> dict[str, Any]:
-        """The decision as the JSON object written in a plan file (``recompute`` only when true)."""
+        """The decision as the JSON object written in a plan file (``recompute`` only when not ``"none"``)."""
         out: dict[str, Any] = {"mode": self.mode, "split": self.split}
-        if self.recompute:
-            out["recompute"] = True
+        if self.recomputes:
+            out["recompute"] = self.recompute
         return out
 
 
+def as_recomputation(value: object) -> Recomputation:
+    """``value`` as one of :data:`RECOMPUTATIONS` (``True`` is ``"full"``, ``False`` is ``"none"``); anything else
+    raises :class:`PlanError`."""
+    if value is True:
+        return "full"
+    if value is False:
+        return "none"
+    if isinstance(value, str) and value in RECOMPUTATIONS:
+        return value  # type: ignore[return-value]
+    raise PlanError(f"recompute must be one of {', '.join(map(repr, RECOMPUTATIONS))} (or true/false), got {value!r}")
+
+
 #: What :class:`Plan` accepts for one module: a :class:`Decision`, a mode string, a ``(mode, split)`` or
-#: ``(mode, split, recompute)`` tuple or a ``{"mode": ..., "split": ..., "recompute": ...}`` mapping.
-DecisionLike = Decision | str | tuple[str, int] | tuple[str, int, bool] | Mapping[str, Any]
+#: ``(mode, split, recompute)`` tuple (``recompute`` a string of :data:`RECOMPUTATIONS` or a bool) or a
+#: ``{"mode": ..., "split": ..., "recompute": ...}`` mapping.
+DecisionLike = Decision | str | tuple[str, int] | tuple[str, int, bool | str] | Mapping[str, Any]
 
 
 @dataclass(init=False)
@@ -144,17 +177,24 @@ class Plan:
     # ------------------------------------------------------------------ construction
     @classmethod
     def uniform(
-        cls, module: nn.Module, mode: str, units: Iterable[str] | None = None, *, recompute: bool = False
+        cls,
+        module: nn.Module,
+        mode: str,
+        units: Iterable[str] | None = None,
+        *,
+        recompute: bool | Recomputation = "none",
     ) -> Plan:
         """The same ``mode`` for the root and every unit (by default :func:`default_units`), each unit recomputing
-        its activations when ``recompute``.
+        its activations as ``recompute`` says (one of :data:`RECOMPUTATIONS`; ``True`` is ``"full"``).
 
         ``Plan.uniform(model, "full_shard")`` is FSDP with one unit per block, ``"no_shard"`` is DDP;
-        ``Plan.uniform(model, "full_shard", recompute=True)`` is FSDP with every block checkpointed.
+        ``Plan.uniform(model, "full_shard", recompute="full")`` is FSDP with every block checkpointed,
+        ``recompute="selective"`` with every block's elementwise operators recomputed.
         """
         names = list(default_units(module) if units is None else units)
-        decisions = {ROOT: Decision(mode), **{name: Decision(mode, recompute=recompute) for name in names}}
-        source = f"uniform:{mode}" + ("+recompute" if recompute else "")
+        how = as_recomputation(recompute)
+        decisions = {ROOT: Decision(mode), **{name: Decision(mode, recompute=how) for name in names}}
+        source = f"uniform:{mode}" + {"none": "", "full": "+recompute", "selective": "+selective"}[how]
         return cls(decisions, info={"source": source})
 
     # ------------------------------------------------------------------ queries
@@ -202,7 +242,7 @@ class Plan:
                     "reads its output projection's weight directly, so FSDP2's hooks on it never gather it; decide on "
                     f"the {type(parent).__name__} ({name.rpartition('.')[0]!r}) instead"
                 )
-            if decision.recompute and name == ROOT:
+            if decision.recomputes and name == ROOT:
                 raise PlanError(
                     "the root decision '' cannot recompute: Lightning runs training_step, not the LightningModule's "
                     "forward, so there is no forward to checkpoint; set recompute on the blocks (submodules) instead"
@@ -247,8 +287,14 @@ class Plan:
                 raise PlanError(f"{source}: module {name!r}: unknown field(s) {sorted(unknown)}")
             if "mode" not in entry:
                 raise PlanError(f"{source}: module {name!r}: field 'mode' is missing")
+            recompute = entry.get("recompute", "none")
+            if version == 2 and not isinstance(recompute, bool):
+                raise PlanError(
+                    f"{source}: module {name!r}: field 'recompute': must be true or false in a version-2 plan file, "
+                    f'got {recompute!r} ("selective" needs version 3)'
+                )
             try:
-                decisions[name] = Decision(entry["mode"], entry.get("split", 1), entry.get("recompute", False))
+                decisions[name] = Decision(entry["mode"], entry.get("split", 1), recompute)
             except PlanError as err:
                 field_name = next(f for f in ("mode", "split", "recompute") if str(err).startswith(("unknown " + f, f)))
                 raise PlanError(f"{source}: module {name!r}: field {field_name!r}: {err}") from None
@@ -308,17 +354,21 @@ class Plan:
         return cls.from_dict(data, source=str(path))
 
     def summary(self) -> str:
-        """One line: how many decisions take each mode, and any splits and recomputations."""
+        """One line: how many decisions take each mode, and any splits, full recomputations (``recompute``) and
+        selective ones (``selective``)."""
         counts = {m: 0 for m in MODES}
         for d in self.decisions.values():
             counts[d.mode] += 1
         splits = sum(1 for d in self.decisions.values() if d.split > 1)
-        recomputed = sum(1 for d in self.decisions.values() if d.recompute)
+        recomputed = sum(1 for d in self.decisions.values() if d.recompute == "full")
+        selective = sum(1 for d in self.decisions.values() if d.recompute == "selective")
         parts = [f"{n} {m}" for m, n in counts.items() if n]
         if splits:
             parts.append(f"{splits} split")
         if recomputed:
             parts.append(f"{recomputed} recompute")
+        if selective:
+            parts.append(f"{selective} selective")
         return f"Plan({len(self.decisions)} decisions: {', '.join(parts) or 'empty'})"
 
 
@@ -350,7 +400,7 @@ def _as_decision(name: str, value: Any) -> Decision:
         if isinstance(value, str):
             return Decision(value)
         if isinstance(value, Mapping):
-            return Decision(value.get("mode", ""), value.get("split", 1), value.get("recompute", False))
+            return Decision(value.get("mode", ""), value.get("split", 1), value.get("recompute", "none"))
         if isinstance(value, tuple) and len(value) in (2, 3):
             return Decision(*value)
     except PlanError as err:

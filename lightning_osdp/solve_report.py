@@ -129,7 +129,8 @@ class SolveReport:
             a headroom) made the plan; ``None`` when :func:`~lightning_osdp.solve` was called directly, whose
             ``budget_bytes`` is then the user's.
         memory_headroom: the fraction of ``memory_budget_bytes`` the policy kept free (``None`` likewise).
-        recompute: whether the solver could recompute segments: ``"auto"``, ``True`` or ``False`` (``None``: a plan
+        recompute: whether the solver could recompute segments: ``"auto"``, ``"selective"``, ``"full"``, ``True`` or
+            ``False`` (``None``: a plan
             file from before recomputation was planned).
     """
 
@@ -216,8 +217,10 @@ class SolveReport:
         bound = _optional(data, "bound", str)
         headroom = _optional(data, "memory_headroom", _NUMBER)
         recompute = data.get("recompute")
-        if recompute not in (None, True, False, "auto"):
-            raise ValueError(f"field 'recompute' must be true, false or \"auto\", got {recompute!r}")
+        if not (recompute is None or isinstance(recompute, bool) or recompute in ("auto", "selective", "full")):
+            raise ValueError(
+                f'field \'recompute\' must be true, false, "auto", "selective" or "full", got {recompute!r}'
+            )
         return cls(
             status=_read(data, "status", str),
             bound=bound,

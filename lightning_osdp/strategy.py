@@ -125,8 +125,9 @@ class OSDPStrategy(ParallelStrategy):
         max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
         activation_checkpointing: whether the planner may recompute a unit's activations in backward instead of
             keeping them (non-reentrant ``torch.utils.checkpoint`` around the unit's module, inside its FSDP2 unit):
-            ``"auto"`` (default) where that is the fastest way to fit the budget, ``True`` on every unit that saves
-            activations, ``False`` never (the planner of releases before recomputation).
+            ``"auto"`` (default) chooses per unit among none, selective and full recomputation, the fastest way to fit
+            the budget; ``"selective"`` (per operator: matrix-product and attention outputs kept) or ``"full"``
+            (``True``) on every unit that saves activations; ``False`` never.
         plan_out: the file the chosen plan is saved to (with the profile beside it as ``*.profile.json``); default
             ``osdp_plan.json`` in the logger's directory.
         solver_time_limit: seconds the ILP solver may take (a positive number); the plan records whether it is
@@ -180,7 +181,7 @@ class OSDPStrategy(ParallelStrategy):
         state_dict_type: osdp_checkpoint.StateDictType = "sharded",
         modes: Sequence[str] = MODES,
         max_split: int = 8,
-        activation_checkpointing: bool | Literal["auto"] = "auto",
+        activation_checkpointing: bool | Literal["auto", "selective", "full"] = "auto",
         plan_out: str | os.PathLike[str] | None = None,
         solver_time_limit: float = 10.0,
         memory_headroom: float = DEFAULT_MEMORY_HEADROOM,
@@ -253,8 +254,9 @@ class OSDPStrategy(ParallelStrategy):
         return self._memory_headroom
 
     @property
-    def activation_checkpointing(self) -> bool | Literal["auto"]:
-        """Whether the planner may recompute units' activations: ``"auto"``, ``True`` or ``False``."""
+    def activation_checkpointing(self) -> bool | Literal["auto", "selective", "full"]:
+        """Whether the planner may recompute units' activations: ``"auto"``, ``"selective"``, ``"full"``/``True`` or
+        ``False``."""
         return self._activation_checkpointing
 
     @property

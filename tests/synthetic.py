@@ -34,6 +34,7 @@ def gpt_profile(
     world_size: int = 2,
     flops_per_second: float = 5e10,
     tied: bool = True,
+    selective: bool = True,
 ) -> ModelProfile:
     """A profile of ``examples/gpt``'s GPT (tied embedding and LM head, ``depth`` blocks of attention + MLP).
 
@@ -46,6 +47,9 @@ def gpt_profile(
         world_size: ranks the collective fits are for.
         flops_per_second: compute rate turning FLOPs into seconds (backward costs twice the forward).
         tied: tie the LM head to the embedding (else the head is its own Linear).
+        selective: give the blocks figures under selective recomputation (what a version-4 profile measures): they
+            keep their matrix products' and attention's outputs, and their replay runs the norms, GELU and residual
+            adds (else ``None``, a profile from before).
     """
     f = 4  # fp32
     modules: dict[str, ModuleProfile] = {}
@@ -92,7 +96,11 @@ def gpt_profile(
     add("model.blocks", "ModuleList")
     for i in range(depth):
         b = f"model.blocks.{i}"
-        add(b, "Block", act=2 * x, out=x)
+        block = add(b, "Block", act=2 * x, out=x)
+        if selective:
+            # qkv (3x), attention (x), its projection (x), fc (the hidden width), the MLP's projection (x).
+            block.selective_kept_bytes = 6 * x + tokens * hidden * f
+            block.selective_replay_seconds = (2 * 5 * tokens * width + 8 * tokens * hidden) / flops_per_second
         add(f"{b}.ln_1", "LayerNorm", [[width], [width]], act=x + tokens * 8, out=x, flops=5 * tokens * width)
         add(f"{b}.attn", "CausalSelfAttention", act=4 * x, out=x, flops=4 * tokens * tokens * width // 8)
         add(

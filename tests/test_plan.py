@@ -102,25 +102,52 @@ def test_recompute_is_spelled_in_python_and_json_and_older_files_load_unchanged(
         {
             "": "no_shard",
             "h.0": Decision("full_shard", recompute=True),
-            "h.1": ("shard_grad_op", 1, True),
-            "h.2": {"mode": "no_shard", "recompute": True},
+            "h.1": ("shard_grad_op", 1, "selective"),
+            "h.2": {"mode": "no_shard", "recompute": "full"},
+            "wte": Decision("full_shard", recompute=False),
         }
     )
-    assert [plan.decisions[f"h.{i}"].recompute for i in range(3)] == [True, True, True]
-    assert plan.summary() == "Plan(4 decisions: 2 no_shard, 1 shard_grad_op, 1 full_shard, 3 recompute)"
+    # True is "full", False is "none": the attribute always holds the string.
+    assert [plan.decisions[f"h.{i}"].recompute for i in range(3)] == ["full", "selective", "full"]
+    assert plan.decisions["wte"].recompute == "none" and not plan.decisions["wte"].recomputes
+    assert Decision("full_shard", recompute=True) == Decision("full_shard", recompute="full")
+    assert plan.summary() == "Plan(5 decisions: 2 no_shard, 1 shard_grad_op, 2 full_shard, 2 recompute, 1 selective)"
     data = json.loads(plan.save(tmp_path / "plan.json").read_text())
-    assert data["version"] == 2
-    assert data["decisions"]["h.0"] == {"mode": "full_shard", "split": 1, "recompute": True}
-    assert data["decisions"][""] == {"mode": "no_shard", "split": 1}  # recompute only written when true
+    assert data["version"] == 3
+    assert data["decisions"]["h.0"] == {"mode": "full_shard", "split": 1, "recompute": "full"}
+    assert data["decisions"]["h.1"] == {"mode": "shard_grad_op", "split": 1, "recompute": "selective"}
+    assert data["decisions"][""] == {"mode": "no_shard", "split": 1}  # recompute only written when not "none"
     assert Plan.load(tmp_path / "plan.json").decisions == plan.decisions
-    # A version-1 file (before recompute existed) loads with recompute false; it never had the field.
+    # A version-2 file (recompute true/false) loads unchanged: true is full recomputation, false none.
+    v2 = {
+        "format": "lightning_osdp.plan",
+        "version": 2,
+        "decisions": {
+            "h.0": {"mode": "full_shard", "split": 1, "recompute": True},
+            "h.1": {"mode": "no_shard", "recompute": False},
+        },
+    }
+    assert Plan.from_dict(v2).decisions == {"h.0": Decision("full_shard", 1, "full"), "h.1": Decision("no_shard")}
+    with pytest.raises(PlanError, match="must be true or false in a version-2 plan file, got 'selective'"):
+        Plan.from_dict({**v2, "decisions": {"h.0": {"mode": "full_shard", "recompute": "selective"}}})
+    # A version-1 file (before recompute existed) loads with recompute "none"; it never had the field.
     old = {"format": "lightning_osdp.plan", "version": 1, "decisions": {"h.0": {"mode": "full_shard", "split": 2}}}
-    assert Plan.from_dict(old).decisions == {"h.0": Decision("full_shard", 2, False)}
+    assert Plan.from_dict(old).decisions == {"h.0": Decision("full_shard", 2, "none")}
     old["decisions"]["h.0"]["recompute"] = True
     with pytest.raises(PlanError, match=r"unknown field\(s\) \['recompute'\]"):
         Plan.from_dict(old)
-    with pytest.raises(PlanError, match="field 'recompute': recompute must be true or false, got 'yes'"):
+    with pytest.raises(
+        PlanError,
+        match="field 'recompute': recompute must be one of 'none', 'selective', 'full' .or true/false., got 'yes'",
+    ):
         Plan.from_dict({**data, "decisions": {"h.0": {"mode": "full_shard", "recompute": "yes"}}})
+    # The uniform plans take the strings too.
+    model = TinyGPT()
+    assert {
+        d.recompute for n, d in Plan.uniform(model, "full_shard", recompute="selective").decisions.items() if n
+    } == {"selective"}
+    assert Plan.uniform(model, "no_shard", recompute=True).info["source"] == "uniform:no_shard+recompute"
+    assert Plan.uniform(model, "no_shard", recompute="selective").info["source"] == "uniform:no_shard+selective"
 
 
 def test_the_root_cannot_recompute() -> None:

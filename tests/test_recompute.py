@@ -174,12 +174,21 @@ def test_activation_checkpointing_rules_the_planners_choice() -> None:
     def recomputed(setting: object, memory_budget: int) -> set[str]:
         plan = OSDPStrategy(memory_budget=memory_budget, activation_checkpointing=setting).plan_for(profile, 2)
         assert plan.report is not None and plan.report.recompute == setting
-        return {name for name, d in plan.decisions.items() if d.recompute}
+        return {name for name, d in plan.decisions.items() if d.recomputes}
+
+    def how(setting: object, memory_budget: int) -> set[str]:
+        plan = OSDPStrategy(memory_budget=memory_budget, activation_checkpointing=setting).plan_for(profile, 2)
+        return {d.recompute for name, d in plan.decisions.items() if name.startswith("model.blocks.")}
 
     blocks = {f"model.blocks.{i}" for i in range(4)}
     assert recomputed(False, budget) == set()  # the planner of releases before recomputation
     assert recomputed(True, budget) == blocks  # every unit that saves activations
+    assert how(True, budget) == how("full", budget) == {"full"}
+    assert recomputed("selective", budget) == blocks and how("selective", budget) == {"selective"}
     # Where recomputing is the cheaper way to fit, "auto" takes it.
     assert recomputed("auto", budget)
+    # "auto" chooses among the three per unit: at the budget full recomputation alone fits (selective keeps too
+    # much), it takes full; where selective fits, selective (a fraction of the replay).
+    assert how("auto", budget) - {"none"}
     with pytest.raises(ValueError, match=r"activation_checkpointing='yes'.*expected 'auto'"):
         OSDPStrategy(activation_checkpointing="yes")

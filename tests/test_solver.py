@@ -74,6 +74,15 @@ def random_profile(seed: int, units: int, *, blocks: bool = False, world_size: i
             rows = rng.randint(5, 300)
             modules[name] = _module(name, "Linear", [[rows, rng.randint(16, 200)], [rows]], rng)
             modules[""].children.append(name)
+    # The blocks' figures under selective recomputation, from their own generator (the rest stays as it was drawn):
+    # a part of what the subtree saves, and a part of its forward seconds.
+    sel = random.Random(seed + 1_000)
+    for name, mp in modules.items():
+        if mp.type == "Block":
+            saved = sum(m.activation_bytes for n, m in modules.items() if n == name or n.startswith(name + "."))
+            forward = sum(m.fwd_seconds for n, m in modules.items() if n == name or n.startswith(name + "."))
+            mp.selective_kept_bytes = sel.randint(0, saved)
+            mp.selective_replay_seconds = sel.uniform(0.0, 0.6) * forward
     return ModelProfile(
         modules=modules,
         collectives=gloo_like_collectives(world_size),
@@ -89,8 +98,8 @@ def random_profile(seed: int, units: int, *, blocks: bool = False, world_size: i
 def all_plans(
     profile: ModelProfile, *, modes=MODES, splits=(1, 2, 4), recompute="auto"
 ) -> list[tuple[float, int, Plan]]:
-    """Every combination of every unit's options (each with and without recomputation unless ``recompute`` says
-    otherwise), with its predicted step time and peak (``predict`` each)."""
+    """Every combination of every unit's options (each without, with selective and with full recomputation unless
+    ``recompute`` says otherwise), with its predicted step time and peak (``predict`` each)."""
     problem = PlanningProblem(profile, profile.world_size, modes=modes, splits=splits, recompute=recompute)
     per_segment = [
         segment_options(problem.info, candidate, problem.modes, problem.splits, problem.recompute)
@@ -345,7 +354,7 @@ def test_units_override_the_automatic_choice():
         PlanningProblem(profile, 2, units=["model.nope"])
 
 
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, "selective", "full"])
 def test_recomputation_can_be_ruled_out_or_forced_and_the_optimum_still_equals_brute_force(recompute):
     profile = random_profile(3, 2, blocks=True, world_size=2)
     plans = all_plans(profile, splits=(1, 2), recompute=recompute)
@@ -355,9 +364,29 @@ def test_recomputation_can_be_ruled_out_or_forced_and_the_optimum_still_equals_b
         budget = int(low + (high - low) * fraction)
         plan = solve(profile, budget, splits=(1, 2), gap=1e-9, recompute=recompute)
         assert plan.report.predicted_step_seconds == pytest.approx(brute_force(plans, budget), rel=1e-9, abs=1e-12)
-        recomputed = {name for name, d in plan.decisions.items() if d.recompute}
+        recomputed = {name: d.recompute for name, d in plan.decisions.items() if d.recomputes}
         saving = {s.entry for s in PlanningProblem(profile, 2).candidates.segments}
-        assert recomputed == (saving if recompute else set())
+        assert set(recomputed) == (saving if recompute else set())
+        assert set(recomputed.values()) <= ({"selective"} if recompute == "selective" else {"full"})
+
+
+def test_auto_chooses_among_none_selective_and_full_per_unit_and_equals_brute_force():
+    # Blocks with selective figures: "auto" offers each unit all three, and at some budget of the sweep the optimum
+    # (the brute force's) takes selective recomputation on one unit and another option on another.
+    # Sharded modes only: the ILP bounds the FSDP2 buffers of a plan that shards nothing, which it does not have (see
+    # test_ilp_optimum_equals_brute_force_under_the_cost_model), so an all-no_shard optimum can be missed by a margin.
+    modes = ("shard_grad_op", "full_shard")
+    profile = random_profile(3, 2, blocks=True, world_size=2)
+    plans = all_plans(profile, modes=modes, splits=(1, 2))
+    assert {d.recompute for _, _, p in plans for d in p.decisions.values()} == {"none", "selective", "full"}
+    low, high = min(p for _, p, _ in plans), max(p for _, p, _ in plans)
+    chosen = set()
+    for fraction in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0):
+        budget = int(low + (high - low) * fraction)
+        plan = solve(profile, budget, modes=modes, splits=(1, 2), gap=1e-9)
+        assert plan.report.predicted_step_seconds == pytest.approx(brute_force(plans, budget), rel=1e-9, abs=1e-12)
+        chosen |= {d.recompute for n, d in plan.decisions.items() if n}
+    assert "selective" in chosen
 
 
 def test_recomputation_lowers_the_smallest_budget_of_an_activation_heavy_model():
@@ -366,6 +395,6 @@ def test_recomputation_lowers_the_smallest_budget_of_an_activation_heavy_model()
     with_recompute = minimum_budget(profile, 2)
     assert with_recompute < 0.7 * without
     plan = solve(profile, with_recompute, 2)
-    assert any(d.recompute for d in plan.decisions.values()) and plan.report.predicted_peak_bytes <= with_recompute
+    assert any(d.recomputes for d in plan.decisions.values()) and plan.report.predicted_peak_bytes <= with_recompute
     with pytest.raises(InfeasibleBudgetError, match=r"activation_checkpointing='auto'"):
         solve(profile, with_recompute, 2, recompute=False)

@@ -11,10 +11,18 @@ from lightning_osdp.apply.executor import (
     no_gradient_sync,
     plan_units,
 )
-from lightning_osdp.apply.recompute import is_recomputed, recompute_modules
+from lightning_osdp.apply.recompute import (
+    SAVED_OPERATORS,
+    is_recomputed,
+    recomputation_of,
+    recompute_modules,
+    selective_contexts,
+    selective_policy,
+)
 from lightning_osdp.apply.split import SplitLinear, split_linear
 
 __all__ = [
+    "SAVED_OPERATORS",
     "BufferBroadcast",
     "OSDPModule",
     "ReplicatedModule",
@@ -25,6 +33,9 @@ __all__ = [
     "is_recomputed",
     "no_gradient_sync",
     "plan_units",
+    "recomputation_of",
     "recompute_modules",
+    "selective_contexts",
+    "selective_policy",
     "split_linear",
 ]

@@ -214,7 +214,7 @@ def apply_plan(
         if decision.split > 1:
             split_linear(module, name, decision.split)
     # Before FSDP2 and DDP: their hooks then sit around the checkpointed forward (see apply/recompute.py).
-    recompute_modules(module, [name for name, d in plan.decisions.items() if d.recompute])
+    recompute_modules(module, {name: d.recompute for name, d in plan.decisions.items() if d.recomputes})
     if all(d.mode == "no_shard" for d in plan.decisions.values()):
         uninitialized = materialize(module, device) if meta and device is not None else []
         replicated = ReplicatedModule(module, plan, mesh, find_unused_parameters=find_unused_parameters)

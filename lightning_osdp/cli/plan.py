@@ -48,7 +48,7 @@ from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
-from lightning_osdp.plan import MODES, Plan
+from lightning_osdp.plan import MODES, Plan, Recomputation
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
@@ -56,17 +56,21 @@ from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
 
-#: The uniform strategies compared with OSDP: (name, mode, every block recomputed). "+AC": activation checkpointing
-#: of every block, as Lightning users configure it by hand. HSDP only where its shard groups are not the world (on
-#: one node of one group it is FSDP).
-BASELINES: tuple[tuple[str, str, bool], ...] = (
-    ("DDP", "no_shard", False),
-    ("ZeRO-2", "shard_grad_op", False),
-    ("FSDP", "full_shard", False),
-    ("HSDP", "hybrid_shard", False),
-    ("DDP+AC", "no_shard", True),
-    ("ZeRO-2+AC", "shard_grad_op", True),
-    ("FSDP+AC", "full_shard", True),
+#: The uniform strategies compared with OSDP: (name, mode, how every block recomputes). "+AC": activation checkpointing
+#: of every block, as Lightning users configure it by hand; "+SAC": selective (per-operator) checkpointing of every
+#: block, torchtitan's setting (``recompute="selective"``). HSDP only where its shard groups are not the world (on one
+#: node of one group it is FSDP).
+BASELINES: tuple[tuple[str, str, Recomputation], ...] = (
+    ("DDP", "no_shard", "none"),
+    ("ZeRO-2", "shard_grad_op", "none"),
+    ("FSDP", "full_shard", "none"),
+    ("HSDP", "hybrid_shard", "none"),
+    ("DDP+SAC", "no_shard", "selective"),
+    ("ZeRO-2+SAC", "shard_grad_op", "selective"),
+    ("FSDP+SAC", "full_shard", "selective"),
+    ("DDP+AC", "no_shard", "full"),
+    ("ZeRO-2+AC", "shard_grad_op", "full"),
+    ("FSDP+AC", "full_shard", "full"),
 )
 
 
@@ -107,7 +111,7 @@ class StrategyFigures:
 
     Attributes:
         name: ``"OSDP"`` or a baseline's (:data:`BASELINES`: ``"DDP"``, ``"ZeRO-2"``, ``"FSDP"``, each also with
-            ``"+AC"``, every block recomputed).
+            ``"+AC"``, every block recomputed, and ``"+SAC"``, every block recomputed selectively).
         plan: the plan predicted (OSDP's from the solver).
         prediction: its prediction at the requested batch size.
         max_batch: the largest per-device batch size whose peak fits the budget (0: none; ``None``: not searched).
@@ -367,8 +371,10 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
     for name, mode, recompute in BASELINES:
         if mode == "hybrid_shard" and run.topology.replicas == 1:
             continue  # one shard group: HSDP is FSDP
+        if recompute == "selective" and not _measured_selectively(profile):
+            continue  # a profile from before selective figures: no such row
         plan = Plan.uniform(run.model, mode, recompute=recompute)
-        plan.info["source"] = f"uniform {mode}{' +recompute' if recompute else ''} ({name})"
+        plan.info["source"] = f"uniform {mode}{_RECOMPUTE_LABEL[recompute]} ({name})"
         rows.append(StrategyFigures(name, plan, predict(profile, plan, run.topology)))
     if not search:
         return rows
@@ -383,6 +389,20 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
                 row.max_batch_seconds = predict(at_max, plan, run.topology).step_seconds
     run.seconds["batch search"] = time.perf_counter() - started
     return rows
+
+
+#: How a baseline row names its blocks' recomputation.
+_RECOMPUTE_LABEL = {"none": "", "selective": " +selective", "full": " +recompute"}
+
+
+def _uniform_recompute(plan: Plan) -> str:
+    """How a uniform plan's blocks recompute (``"none"`` when none does)."""
+    return next((d.recompute for d in plan.decisions.values() if d.recomputes), "none")
+
+
+def _measured_selectively(profile: ModelProfile) -> bool:
+    """Whether the profile measured its blocks under selective recomputation (every block a uniform plan decides)."""
+    return any(m.selective_kept_bytes is not None for m in profile.modules.values())
 
 
 def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[[int], bool]:
@@ -401,7 +421,7 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
         modes = (
             row.plan.summary().partition(": ")[2].rstrip(")")
             if row.name == "OSDP"
-            else f"all {row.plan.decisions[''].mode}" + (" +recompute" if row.name.endswith("+AC") else "")
+            else f"all {row.plan.decisions[''].mode}" + _RECOMPUTE_LABEL[_uniform_recompute(row.plan)]
         )
         if row.max_batch is None:
             largest, at_max, rate = "-", "-", "-"

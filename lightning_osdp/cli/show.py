@@ -168,8 +168,11 @@ def plot(saved: SavedPlanFile, prediction: Prediction, world_size: int, path: st
     ax_comm.set_ylabel("communication\nper step (ms)")
     ax_time.set_ylabel("added to the step (ms)\nexposed comm, copies,\noptimizer, hooks")
     ax_time.set_xticks(range(len(units)))
-    recomputed = {n for n, d in saved.plan.decisions.items() if d.recompute}
-    labels = [(n or "<root>") + (" (recompute)" if n in recomputed else "") for n in units]
+    recomputed = {n: d.recompute for n, d in saved.plan.decisions.items() if d.recomputes}
+    labels = [
+        (n or "<root>") + {"full": " (recompute)", "selective": " (selective)"}.get(recomputed.get(n, ""), "")
+        for n in units
+    ]
     ax_time.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
     handles = [Patch(facecolor=_MODE_COLOURS[mode], label=mode) for mode in MODES]
     ax_mem.legend(handles=handles, title="mode (outlined: chosen)", fontsize=8)

@@ -186,7 +186,13 @@ class Node:
         grad: bytes of the gradients of its own parameters.
         owner: the index of the unit owning its parameters.
         fwd, bwd: its own forward and backward seconds.
-        recompute: its decision recomputes it (activation checkpointing).
+        recompute: its decision recomputes it (activation checkpointing), wholly or selectively.
+        selective: under selective recomputation, what its subtree's forward keeps for backward beyond its inputs
+            (``ModuleProfile.selective_kept_bytes``: the kept operators' outputs); ``None``: full recomputation.
+        selective_forward: under selective recomputation, the largest live bytes its forward adds
+            (``selective_forward_bytes``; ``None``: not measured).
+        selective_seconds: under selective recomputation, the seconds its replay runs in backward
+            (``selective_replay_seconds``).
         kept: under recomputation, the bytes of its inputs the checkpoint keeps (``ModuleProfile.input_bytes``).
         kept_saved: the part of ``kept`` its own subtree saves again when it recomputes (``input_saved_bytes``).
         recompute_forward: under recomputation, the largest live bytes its forward adds, output included
@@ -212,10 +218,24 @@ class Node:
     kept_saved: int = 0
     recompute_forward: int | None = None
     grad_sum: int = 0
+    selective: int | None = None
+    selective_forward: int | None = None
+    selective_seconds: float = 0.0
 
     def saved(self) -> int:
-        """Bytes a forward of this subtree saves for backward (a recomputed descendant keeps only its inputs)."""
-        return self.act + sum(c.kept if c.recompute else c.saved() for c in self.children)
+        """Bytes a forward of this subtree saves for backward (a recomputed descendant keeps only its inputs and,
+        selectively recomputed, its kept operators' outputs)."""
+        return self.act + sum(c.checkpoint_kept() if c.recompute else c.saved() for c in self.children)
+
+    def checkpoint_kept(self) -> int:
+        """Under recomputation, what its forward keeps for backward: its inputs, and the kept operators' outputs
+        when selective."""
+        return self.kept + (self.selective or 0)
+
+    def replay_seconds(self) -> float:
+        """Under recomputation, the forward seconds run again in backward: the whole subtree's, or the replay of a
+        selective one."""
+        return self.selective_seconds if self.selective is not None else self.forward_seconds()
 
     def forward_seconds(self) -> float:
         """Forward seconds of this subtree: what recomputing it costs."""
@@ -509,7 +529,7 @@ class _SegmentBuilder:
 
     def _with_recompute(self, node: Node) -> Node:
         decision = self.decisions.get(node.name)
-        if decision is None or not decision.recompute:
+        if decision is None or not decision.recomputes:
             return node
         mp = self.info.modules[node.name]
         # A profile from before inputs were measured: the previous module's output, saved again inside.
@@ -517,6 +537,17 @@ class _SegmentBuilder:
         saved = mp.input_saved_bytes if mp.input_saved_bytes is not None else kept
         node.recompute, node.kept, node.kept_saved = True, kept, min(saved, kept)
         node.recompute_forward = mp.recompute_forward_bytes
+        if decision.recompute == "selective":
+            if mp.selective_kept_bytes is None or mp.selective_replay_seconds is None:
+                raise ValueError(
+                    f"module {node.name!r}: the plan recomputes it selectively, and the profile did not measure it so "
+                    "(a profile from before version 4, or a module that is not a block: a parameter-owning child of "
+                    "a ModuleList/Sequential); profile the model again, or recompute it fully (recompute='full')"
+                )
+            # What the policy keeps is part of what the subtree saves: never more than that.
+            node.selective = min(mp.selective_kept_bytes, max(node.saved() - node.kept_saved, 0))
+            node.selective_forward = mp.selective_forward_bytes
+            node.selective_seconds = mp.selective_replay_seconds
         return node
 
     def _split_node(self, name: str) -> Node:
@@ -651,7 +682,7 @@ def build_structure(info: ModelInfo, plan: Plan) -> Structure:
     lay = layout(info, decisions)
     globals_ = [global_unit(info, ROOT, (ROOT,), lay.root_cover, decisions[ROOT].mode)]
     for name in [ROOT, *(m for g in lay.groups for m in g)]:
-        if decisions[name].recompute:
+        if decisions[name].recomputes:
             raise ValueError(
                 f"module {name!r}: the cost model predicts recomputation of segments (blocks and the modules in them), "
                 "not of the root or a tied group"

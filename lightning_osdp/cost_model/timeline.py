@@ -36,6 +36,12 @@ units nested in it are gathered by their own pre-forward hooks there, and the ba
 module by module as without recomputation; the kept inputs go when its backward ends. The step pays the subtree's
 forward seconds once more.
 
+A module recomputed *selectively* (``recompute="selective"``) keeps, beyond its inputs, the outputs of its kept
+operators (``Node.selective``, measured per block: ``ModuleProfile.selective_kept_bytes``) from the end of its
+forward to its backward; the recomputation in backward rebuilds the rest (``saved() - kept_saved - selective``), so
+from there its backward is the full recomputation's, and the step pays its replay's seconds
+(``selective_replay_seconds``) instead of the subtree's forward seconds.
+
 A nested ``full_shard`` unit may have been prefetched before the recomputation gathers it: FSDP2's backward prefetch
 targets the unit whose forward ended just before the current one's, and a nested unit's forward ends before its
 enclosing unit's (or, when it is the last unit of its segment, before the later segment's first). Its pre-forward in
@@ -380,10 +386,14 @@ class SegmentSimulator:
             self.forward(child, saving)
         # Unsaved, what the module would save still lives while its own code runs.
         self._forward_instant(self.level + _acts(node.out + (0 if saving else node.act)))
-        if checkpointed and node.recompute_forward is not None:
+        transient = node.recompute_forward if node.selective is None else node.selective_forward
+        if checkpointed and transient is not None:
             # What the checkpointed forward holds at once, measured (its own code's tensors between its children's
-            # calls are beyond the children's figures).
-            self._forward_instant(self.level + _acts(node.recompute_forward))
+            # calls are beyond the children's figures; under selective recomputation, the kept outputs with them).
+            self._forward_instant(self.level + _acts(transient))
+        if checkpointed and node.selective is not None:
+            # Selective: the kept operators' outputs stay until the block's backward (see [Note: recomputation]).
+            self.level += _acts(node.selective)
         if node.unit is not None:
             self.post_forward(node.unit)
 
@@ -398,7 +408,7 @@ class SegmentSimulator:
         for i in self._nested_full_shard_units(node):
             self._gather_in_backward(i, output_gradient)
             self.gathered_in_recompute.add(i)
-        self.level += _acts(node.saved() - node.kept_saved)
+        self.level += _acts(node.saved() - node.kept_saved - (node.selective or 0))
         self._backward_instant(self.level + output_gradient)
 
     def _nested_full_shard_units(self, node: Node) -> list[int]:
@@ -493,8 +503,9 @@ class SegmentSimulator:
 
 
 def _recompute_seconds(node: Node) -> float:
-    """Forward seconds run again in backward: each recomputed module's subtree, once per recomputation."""
-    own = node.forward_seconds() if node.recompute else 0.0
+    """Forward seconds run again in backward: each recomputed module's subtree (its replay, when selective), once per
+    recomputation."""
+    own = node.replay_seconds() if node.recompute else 0.0
     return own + sum(_recompute_seconds(c) for c in node.children)
 
 

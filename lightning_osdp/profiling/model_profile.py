@@ -23,8 +23,8 @@ __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "LossMemory", "
 PROFILE_FORMAT = "lightning_osdp.profile"
 #: ``version`` field of a profile file this release writes; it reads this one and every earlier one (see
 #: [Note: profile versions]).
-PROFILE_VERSION = 3
-_READS_VERSIONS = (1, 2, PROFILE_VERSION)
+PROFILE_VERSION = 4
+_READS_VERSIONS = (1, 2, 3, PROFILE_VERSION)
 
 # [Note: profile versions]
 # Version 1 kept the figures later stages read (the forward order, the copy bandwidth, the estimated mode's rates,
@@ -39,6 +39,9 @@ _READS_VERSIONS = (1, 2, PROFILE_VERSION)
 # Version 3 also adds ``loss`` (the measured memory of the loss region, see ``lightning_osdp/profiling/loss_region.py``)
 # and ``measured_peak_correction``. An earlier file reads with ``loss = None``, which the cost model counts as
 # version 2 did (the activations saved outside modules and the last module's output), and no correction.
+# Version 4 adds the blocks' figures under selective recomputation (``ModuleProfile.selective_kept_bytes``,
+# ``selective_forward_bytes``, ``selective_replay_seconds``). An earlier file reads with them ``None``: its plans
+# offer no selective recomputation, and predicting one made by hand says to profile again.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -77,6 +80,18 @@ class ModuleProfile:
             largest live bytes its forward adds, output included, when it runs under activation checkpointing (it
             saves nothing; what its own code holds between its children's calls is alive meanwhile); measured by
             running the step's forward once more with every block checkpointed. ``None``: not measured.
+        selective_kept_bytes: for a block, the bytes its forward keeps for backward under selective recomputation
+            (``recompute="selective"``: the outputs of its matrix products and attention, see
+            ``lightning_osdp/apply/recompute.py`` [Note: selective recomputation]), its subtree's, inputs excluded:
+            the live bytes its checkpointed forward leaves beyond its output; measured by running the step's
+            forward once more with every block checkpointed so. ``None``: not measured (then the planner does not
+            offer selective recomputation for the block).
+        selective_forward_bytes: the largest live bytes that forward adds, output included (as
+            ``recompute_forward_bytes`` for full recomputation); ``None`` likewise.
+        selective_replay_seconds: the seconds the recomputation of the block under selective recomputation runs in
+            backward (its operators but the kept ones): timed on the device in measured mode (the replay run as
+            torch runs it, the kept outputs served from the cache), from its operators' FLOPs and bytes at the
+            profile's rates otherwise. ``None`` likewise.
     """
 
     name: str
@@ -99,6 +114,9 @@ class ModuleProfile:
     input_bytes: int | None = None
     input_saved_bytes: int | None = None
     recompute_forward_bytes: int | None = None
+    selective_kept_bytes: int | None = None
+    selective_forward_bytes: int | None = None
+    selective_replay_seconds: float | None = None
 
 
 @dataclass

@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,7 @@ from lightning_osdp.profiling.parameters import account_parameters, grad_bytes_b
 from lightning_osdp.profiling.rates import DeviceRates, measure_copy_bandwidth, measure_device_rates
 from lightning_osdp.profiling.repeats import RepeatedBlocks, find_repeated_blocks, traced_by_depth
 from lightning_osdp.profiling.replica import fake_replica, measured_replica
+from lightning_osdp.profiling.selective import SelectiveFigures, measure_selective
 from lightning_osdp.profiling.step import LossFn, StepRunner, describe_batch, is_lightning_module
 from lightning_osdp.profiling.timing import device_clock, no_gc
 from lightning_osdp.profiling.tracer import ModuleTracer, OpTally, StepRecord
@@ -540,15 +541,36 @@ def _recompute_forward_bytes(session: _Session) -> dict[str, int]:
     return added
 
 
+def _selective(session: _Session, repeats: int) -> dict[str, SelectiveFigures]:
+    """Per block of the replica, its figures under selective recomputation (see ``selective.py``)."""
+    from lightning_osdp.plan import default_units
+
+    try:
+        return measure_selective(
+            session.work,
+            default_units(session.work),
+            session.runner.forward_loss,
+            session.device,
+            fake=session.estimated,
+            clock=session.clock,
+            repeats=repeats,
+            roots=tuple(session.optimizers),
+        )
+    finally:
+        session.runner.output = None
+
+
 @dataclass
 class _Traced:
     """A traced step: the profile (its times zero unless it was measured), what the trace recorded, the session it
-    ran in, and the largest live bytes of the step."""
+    ran in, the largest live bytes of the step, and the blocks' figures under selective recomputation (whose replay
+    the rates time in the estimated modes)."""
 
     profile: ModelProfile
     record: StepRecord
     session: _Session
     peak_bytes: int
+    selective: dict[str, SelectiveFigures] = field(default_factory=dict)
 
 
 def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | None = None) -> _Traced:
@@ -596,9 +618,14 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
         else:
             timing = _measured_timing(session, record, request.repeats, info)
         modules = _module_profiles(work, record, session, timing.modules)
-        # Last: it checkpoints the replica's blocks for good.
+        # Last: they checkpoint the replica's blocks for good (fully, then selectively).
         for block, added in _recompute_forward_bytes(session).items():
             modules[block].recompute_forward_bytes = added
+        selective = _selective(session, request.repeats)
+        for block, figures in selective.items():
+            modules[block].selective_kept_bytes = figures.kept_bytes
+            modules[block].selective_forward_bytes = figures.forward_bytes
+            modules[block].selective_replay_seconds = figures.replay_seconds
         _, tied = account_parameters(work)
         info["optimizer_state"] = session.state.source if optimizers else "none"
         if record.unsized_tensors:
@@ -627,7 +654,7 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
         copy_bytes_per_second=copy_rate,
         loss=session.loss_memory,
     )
-    return _Traced(result, record, session, session.peak_bytes)
+    return _Traced(result, record, session, session.peak_bytes, selective)
 
 
 def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> ModelProfile:
@@ -653,6 +680,8 @@ def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> Mo
         info["estimated_step_seconds"] = timing.overhead + sum(f + b for f, b in timing.modules.values())
     for name, (fwd, bwd) in timing.modules.items():
         profile.modules[name].fwd_seconds, profile.modules[name].bwd_seconds = fwd, bwd
+    for name, figures in traced.selective.items():
+        profile.modules[name].selective_replay_seconds = rates.seconds(figures.replay_ops)
     profile.step_overhead_seconds, profile.optimizer_step_seconds = timing.overhead, timing.optimizer
     profile.rates = rates
     profile.mode = "blocks" if blocks else "estimated"

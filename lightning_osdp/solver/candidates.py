@@ -25,9 +25,11 @@ takes the inner mode and is split into the fewest allowed slices that bring it d
 size per allowed split factor of the largest inner unit. ``hybrid_shard`` ranks with ``shard_grad_op``
 (:data:`SHARDING_RANK`): it shards less than ``full_shard`` (within a group, not over the world) and, unlike
 ``shard_grad_op``, gathers again for backward, so neither of the two is more sharded than the other. Each of these may
-also *recompute* the segment (activation checkpointing of its entry module: it keeps only its inputs for backward and
-runs its forward again there), when the solver is allowed to. Options that are no better in time and in every memory
-term than another option of the same segment are dropped before the ILP (they can never be needed).
+also *recompute* the segment, when the solver is allowed to: fully (activation checkpointing of its entry module: it
+keeps only its inputs for backward and runs its forward again there) or selectively (per-operator checkpointing: it
+also keeps its matrix-product and attention outputs and runs only the other operators again; offered where the
+profile measured the segment that way, ``ModuleProfile.selective_kept_bytes``). Options that are no better in time
+and in every memory term than another option of the same segment are dropped before the ILP (they can never be needed).
 
 ``units=`` overrides steps 1 to 3: top-level names are segments, names nested in one are its inner units, tied
 holders all named form their list group (a tied holder named without the others stays in the root).
@@ -44,6 +46,7 @@ from lightning_osdp.grouping import ROOT, merged_ties
 from lightning_osdp.plan import Decision
 
 __all__ = [
+    "RECOMPUTE_CHOICES",
     "SHARDING_RANK",
     "Candidates",
     "Recompute",
@@ -53,9 +56,13 @@ __all__ = [
     "segment_options",
 ]
 
-#: Whether the solver may recompute segments: never (``False``), always where a segment saves activations
-#: (``True``), or where it pays (``"auto"``).
-Recompute = bool | Literal["auto"]
+#: Whether the solver may recompute segments: never (``False``), always where a segment saves activations, fully
+#: (``True`` or ``"full"``) or selectively (``"selective"``), or where it pays, choosing among the three
+#: (``"auto"``).
+Recompute = bool | Literal["auto", "selective", "full"]
+
+#: Every value :data:`Recompute` takes.
+RECOMPUTE_CHOICES: tuple[object, ...] = (True, False, "auto", "selective", "full")
 
 #: How sharded each mode is, for the fine options' rule that the inner units are at least as sharded as the rest of
 #: their segment (see [Note: how planning units are chosen]).
@@ -209,21 +216,29 @@ def segment_options(
 ) -> list[SegmentOption]:
     """Every option of a segment (see [Note: how planning units are chosen]); ``splits`` already capped.
 
-    ``recompute``: ``False``, options without recomputation only; ``True``, every option recomputes the segment
-    (when its modules save anything for backward); ``"auto"``, each option both ways."""
+    ``recompute``: ``False``, options without recomputation only; ``True`` or ``"full"``, every option recomputes the
+    segment fully, ``"selective"`` selectively (when its modules save anything for backward); ``"auto"``, each option
+    all three ways (selectively only where the profile measured the segment so: else as ``"full"`` would)."""
     options = _sharding_options(info, candidate, modes, splits)
     saves = any(info.modules[n].activation_bytes > 0 for n in info.subtree(candidate.entry))
     if recompute is False or not saves:
         return options
-    recomputed = [_recomputing(option) for option in options]
-    return recomputed if recompute is True else [*options, *recomputed]
+    measured = info.modules[candidate.entry].selective_kept_bytes is not None
+    if recompute is True or recompute == "full" or (recompute == "selective" and not measured):
+        return [_recomputing(option, "full") for option in options]
+    if recompute == "selective":
+        return [_recomputing(option, "selective") for option in options]
+    selective = [_recomputing(option, "selective") for option in options] if measured else []
+    return [*options, *selective, *[_recomputing(option, "full") for option in options]]
 
 
-def _recomputing(option: SegmentOption) -> SegmentOption:
-    """``option`` with its segment's module recomputed (the entry's decision; the whole segment runs again)."""
+def _recomputing(option: SegmentOption, how: str) -> SegmentOption:
+    """``option`` with its segment's module recomputed ``how`` (the entry's decision: its whole forward runs again,
+    or its operators but the kept ones)."""
     (entry, first), *rest = option.decisions
-    decision = Decision(first.mode, first.split, recompute=True)
-    return SegmentOption(((entry, decision), *rest), f"{option.label} +recompute")
+    decision = Decision(first.mode, first.split, recompute=how)  # type: ignore[arg-type]
+    label = " +recompute" if how == "full" else " +selective"
+    return SegmentOption(((entry, decision), *rest), f"{option.label}{label}")
 
 
 def _sharding_options(

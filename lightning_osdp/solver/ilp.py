@@ -94,6 +94,7 @@ from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solve_report import SolveReport
 from lightning_osdp.solver.candidates import (
+    RECOMPUTE_CHOICES,
     Candidates,
     Recompute,
     SegmentCandidate,
@@ -273,8 +274,8 @@ class PlanningProblem:
         recompute: Recompute = False,
     ) -> None:
         _check_options(modes, splits)
-        if recompute not in (True, False, "auto"):
-            raise ValueError(f"recompute must be True, False or 'auto', got {recompute!r}")
+        if not any(recompute is c or (isinstance(c, str) and recompute == c) for c in RECOMPUTE_CHOICES):
+            raise ValueError(f"recompute must be True, False, 'auto', 'selective' or 'full', got {recompute!r}")
         self.profile = profile
         self.topology = as_topology(world_size, profile)
         self.world_size = self.topology.world_size
@@ -407,6 +408,8 @@ class PlanningProblem:
                     info.splittable(n),
                     mp.input_bytes,
                     mp.input_saved_bytes,
+                    (mp.recompute_forward_bytes, mp.selective_kept_bytes, mp.selective_forward_bytes),
+                    mp.selective_replay_seconds,
                 )
             )
         return tuple(rows)

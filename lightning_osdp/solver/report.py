@@ -30,10 +30,10 @@ def format_plan(
             or logged).
         width: table width for rich.
 
-    Columns: the unit's module, its parameters (count), mode, split, whether it recomputes its activations in
-    backward (activation checkpointing), the bytes it keeps all step on this rank
-    (parameters, gradients, optimizer state), the bytes while gathered, its communication and what it adds to
-    the step (exposed communication, copies, optimizer, overhead), in milliseconds.
+    Columns: the unit's module, its parameters (count), mode, split, how it recomputes its activations in backward
+    (``full`` or ``selective`` activation checkpointing; empty: not at all), the bytes it keeps all step on this rank
+    (parameters, gradients, optimizer state), the bytes while gathered, its communication and what it adds to the step
+    (exposed communication, copies, optimizer, overhead), in milliseconds.
     """
     if budget is None and plan.report is not None:
         budget = plan.report.requested_budget_bytes
@@ -47,7 +47,9 @@ def format_plan(
                 _count(u.param_count),
                 u.mode,
                 str(u.split),
-                "yes" if u.name in plan.decisions and plan.decisions[u.name].recompute else "",
+                plan.decisions[u.name].recompute
+                if u.name in plan.decisions and plan.decisions[u.name].recomputes
+                else "",
                 format_bytes(u.kept.total),
                 format_bytes(u.gathered),
                 f"{u.time.communication * 1e3:.2f}",

@@ -1,0 +1,178 @@
+"""The blocks' figures under selective recomputation: what each keeps, the live bytes its forward adds, its replay.
+
+[Note: measuring selective recomputation]
+Under ``recompute="selective"`` (``lightning_osdp/apply/recompute.py`` [Note: selective recomputation]) a block keeps,
+from its forward to its backward, the outputs of its kept operators, and its recomputation in backward runs the
+block's forward code with those operators served from the checkpoint's cache. The profiler measures both on its
+replica, after the traced step and the full-recomputation pass, by running the step's forward once more with every
+block checkpointed selectively, as the executor does it:
+
+* *kept bytes*: the live bytes at the end of the block's forward less those at its start and less its output (the
+  inputs were live already), read off the memory meter at the block's forward hooks: the storages torch's caching
+  mode holds, whatever the policy keeps;
+* *forward bytes*: the largest live bytes between those hooks, above the start (the meter's window);
+* *replay*: the block's forward run again the way torch's recomputation runs it, with the selective contexts'
+  second mode serving the kept operators from the first's cache (``torch.utils.checkpoint``'s own two modes, filled
+  by one more forward of the block in its forward hook). Measured mode times it on the device, with what the caching
+  mode adds to the forward (torch's modes dispatch every operator through Python: on a small model on the CPU that
+  is more than the kernels themselves; on a GPU-sized block, noise): the median of ``repeats`` such figures, each
+  with its cache filled anew. The estimated modes record the replay's operators (FLOPs and bytes, as the tracer
+  does) for the rates to turn into seconds, and count no dispatch cost (the rates have no term for it).
+
+The replay under the hook runs with gradients enabled (the recomputation records a graph too) on the block's own
+arguments; what it builds is dropped at once. Only blocks (the parameter-owning children of a
+``ModuleList``/``Sequential``, what the planner recomputes) are measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_osdp._compat import disable_current_modes, tree_leaves
+from lightning_osdp.apply.recompute import RecomputedForward, recompute_modules, selective_contexts
+from lightning_osdp.memory import memory_meter
+from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder
+
+__all__ = ["SelectiveFigures", "measure_selective"]
+
+
+@dataclass
+class SelectiveFigures:
+    """One block under selective recomputation (see [Note: measuring selective recomputation]).
+
+    Attributes:
+        kept_bytes: what its forward keeps for backward beyond its inputs and output.
+        forward_bytes: the largest live bytes its forward adds.
+        replay_seconds: the seconds selective recomputation adds to a step of it, timed: its replay, and what the
+            caching mode adds to its forward (a Python dispatch per operator); ``None`` on fake tensors.
+        replay_ops: its replay's operators (recorded on fake tensors only).
+    """
+
+    kept_bytes: int = 0
+    forward_bytes: int = 0
+    replay_seconds: float | None = None
+    replay_ops: OpTally = field(default_factory=OpTally)
+
+
+class _Tally:
+    """What :class:`~lightning_osdp.profiling.tracer._OpRecorder` reports to: one :class:`OpTally`."""
+
+    def __init__(self) -> None:
+        self.ops = OpTally()
+        self._unsized = 0
+
+    def _record_op(self, flops: int, traffic: int, kernel: ComputeKernel | None = None) -> None:
+        tally = self.ops
+        if flops:
+            tally.matmul_ops += 1
+            tally.matmul_flops += flops
+            if kernel is not None:
+                tally.kernels[kernel] = tally.kernels.get(kernel, 0) + 1
+        else:
+            tally.memory_ops += 1
+            tally.memory_bytes += traffic
+
+
+def _output_bytes(output: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tree_leaves(output):
+        if isinstance(t, Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr() if not _fake(t) else id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _fake(t: Tensor) -> bool:
+    from lightning_osdp._compat import is_fake
+
+    return is_fake(t)
+
+
+def measure_selective(
+    work: nn.Module,
+    blocks: list[str],
+    forward: Callable[[], Any],
+    device: torch.device,
+    *,
+    fake: bool,
+    clock: Callable[[], float],
+    repeats: int = 3,
+    roots: tuple[Any, ...] = (),
+) -> dict[str, SelectiveFigures]:
+    """Per block of ``work``, its :class:`SelectiveFigures`: ``forward()`` runs the step's forward once with every
+    block checkpointed selectively (the blocks stay so). ``fake``: the replica is on fake tensors (no timing, the
+    replay's operators recorded instead); ``clock``: the device's (it waits for the device); ``roots``: what the
+    memory meter counts as live besides ``work`` (the optimizers)."""
+    if not blocks:
+        return {}
+    recompute_modules(work, blocks, "selective")
+    meter = memory_meter(device, fake=fake)
+    started: dict[str, int] = {}
+    figures: dict[str, SelectiveFigures] = {name: SelectiveFigures() for name in blocks}
+    handles = []
+
+    def replay(module: nn.Module, args: Any, kwargs: Any, figure: SelectiveFigures) -> None:
+        inner = module.__dict__["forward"]
+        assert isinstance(inner, RecomputedForward)
+        times = []
+        for _ in range(1 if fake else max(repeats, 1)):
+            caching, cached = selective_contexts()
+            with torch.enable_grad():
+                if fake:
+                    with caching:
+                        inner.inner(*args, **kwargs)
+                    tally = _Tally()
+                    # The recorder outside the cache's mode: it sees only what the replay runs (a kept operator is
+                    # served by the cache and never reaches it).
+                    with _OpRecorder(tally), cached:  # type: ignore[arg-type]
+                        inner.inner(*args, **kwargs)
+                    figure.replay_ops = tally.ops
+                    continue
+                # Timed without the memory meter's mode (a Python dispatch mode on the CPU, which would time itself).
+                with disable_current_modes():
+                    start = clock()
+                    inner.inner(*args, **kwargs)
+                    plain = clock()
+                    with caching:
+                        inner.inner(*args, **kwargs)
+                    cached_forward = clock()
+                    with cached:
+                        inner.inner(*args, **kwargs)
+                    end = clock()
+                # The forward's own cost of the caching mode (a Python dispatch per operator), and the replay.
+                times.append(max(cached_forward - plain - (plain - start), 0.0) + (end - cached_forward))
+        if times:
+            figure.replay_seconds = statistics.median(times)
+
+    for name in blocks:
+        module = work.get_submodule(name)
+
+        def pre(*_: Any, name: str = name) -> None:
+            started[name] = meter.mark()[1]
+
+        def post(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+            window, live = meter.mark()
+            figure = figures[name]
+            out = _output_bytes(output)
+            figure.kept_bytes = max(figure.kept_bytes, live - started[name] - out)
+            figure.forward_bytes = max(figure.forward_bytes, window - started[name])
+            replay(module, args, kwargs, figure)
+            meter.mark()  # the replay's own window is no block's
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    meter.start(work, *roots)
+    try:
+        loss = forward()
+        del loss
+    finally:
+        meter.stop()
+        for handle in handles:
+            handle.remove()
+    return figures
