@@ -76,6 +76,7 @@ __all__ = [
     "dcp_writer_file_system",
     "ddp_ignore_parameters",
     "default_store",
+    "detach_sharing_version",
     "disable_current_modes",
     "fake_tensor_mode",
     "fit_ckpt_path",
@@ -158,6 +159,17 @@ def preserve_version_counter(tensors: tuple[torch.Tensor, ...]) -> Any:
     written are the ones autograd saw.
     """
     return torch.autograd._unsafe_preserve_version_counter(tensors)
+
+
+def detach_sharing_version(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.detach()`` from inside a ``TorchDispatchMode``, sharing ``tensor``'s version counter.
+
+    ``torch._C._SetExcludeDispatchKeyGuard`` on ``DispatchKey.ADInplaceOrView`` (2.9-2.13), as
+    ``torch.utils.checkpoint``'s ``_detach_helper`` does: a mode runs with that key excluded, where a plain ``detach``
+    gets a version counter of its own, so an in-place change of the original would go unseen.
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
 
 
 def module_apply(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Module:

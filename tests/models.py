@@ -44,6 +44,12 @@ class Block(nn.Module):
         return torch.nn.functional.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
+def _by_hand_selective() -> Any:
+    from lightning_osdp.apply.recompute import SAVED_OPERATORS
+
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(sorted(SAVED_OPERATORS, key=str))
+
+
 class TinyGPT(L.LightningModule):
     """Decoder-only LM; ``training_step`` returns the next-token cross-entropy."""
 
@@ -58,9 +64,12 @@ class TinyGPT(L.LightningModule):
         optimizer: str = "adamw",
         dropout: float = 0.0,
         checkpointed: tuple[int, ...] = (),
+        selective: tuple[int, ...] = (),
     ) -> None:
         """``checkpointed``: blocks whose forward the model itself runs under ``torch.utils.checkpoint`` (as a user
-        checkpoints by hand): the reference OSDP's recomputation is compared with."""
+        checkpoints by hand): the reference OSDP's recomputation is compared with. ``selective``: blocks it runs under
+        selective checkpointing by hand, torch's ``create_selective_checkpoint_contexts`` given the list of operators
+        OSDP keeps (the list form of the policy, not OSDP's policy function)."""
         super().__init__()
         self.save_hyperparameters()
         self.wte = nn.Embedding(vocab, width)
@@ -87,6 +96,8 @@ class TinyGPT(L.LightningModule):
         for i, block in enumerate(self.h):
             if i in self.hparams.checkpointed:
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            elif i in self.hparams.selective:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=_by_hand_selective)
             else:
                 x = block(x)
         return self.lm_head(self.ln_f(x))

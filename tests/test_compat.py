@@ -499,3 +499,26 @@ def test_setup_sees_a_checkpoint_set_on_the_trainer_and_a_datamodules_loader(tmp
     trainer.fit(TinyGPT(), datamodule=Data())
     assert probe.seen["ckpt_path"] == str(tmp_path / "one.ckpt")
     assert isinstance(probe.seen["loader"], DataLoader) and probe.seen["loader"].batch_size == 2
+
+
+def test_a_detach_inside_a_dispatch_mode_shares_the_version_counter() -> None:
+    # `torch._C._SetExcludeDispatchKeyGuard` on ADInplaceOrView, which selective recomputation's kept outputs use to
+    # see a later in-place change (lightning_osdp/apply/recompute.py [Note: the operator caches]).
+    from lightning_osdp._compat import TorchDispatchMode, detach_sharing_version
+
+    kept: list[tuple[torch.Tensor, int]] = []
+
+    class Keep(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                d = detach_sharing_version(out)
+                kept.append((d, d._version))
+            return out
+
+    a = torch.randn(2, 2)
+    with Keep():
+        y = a @ a
+        y.relu_()
+    ((d, version),) = kept
+    assert d.data_ptr() == y.data_ptr() and d._version != version

@@ -22,13 +22,24 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 RTOL = 1e-5
 PLANNED = ("ample", "halfway")
 CASES = {
-    # BatchNorm: the planner's halfway plan recomputes blocks; every hand-written shape too.
-    "bn": ("ample", "halfway", "full_shard", "shard_grad_op", "recompute", "full_shard_recompute", "mixed"),
-    "bn_compile": ("halfway", "full_shard_recompute"),
+    # BatchNorm: the planner's halfway plan recomputes blocks; every hand-written shape too, selective recomputation
+    # (its convolutions kept, BatchNorm replayed on the statistics its forward saw) among them.
+    "bn": (
+        "ample",
+        "halfway",
+        "full_shard",
+        "shard_grad_op",
+        "recompute",
+        "full_shard_recompute",
+        "selective",
+        "full_shard_selective",
+        "mixed",
+    ),
+    "bn_compile": ("halfway", "full_shard_recompute", "full_shard_selective"),
     "gan": ("ample", "halfway", "no_shard", "full_shard", "mixed"),
     "gpt_clip": ("no_shard", "full_shard", "hybrid_shard", "mixed"),
     "gpt_clipv": ("full_shard", "mixed"),
-    "compile_method": ("full_shard", "mixed", "halfway"),
+    "compile_method": ("full_shard", "mixed", "halfway", "full_shard_selective"),
     "compile_fn": ("full_shard", "mixed"),
 }
 RUNS = [f"{model}:{plan}" for model, plans in CASES.items() for plan in ("ddp", *plans)]

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_osdp.apply import is_recomputed, recompute_modules
+from lightning_osdp.apply import is_recomputed, recomputation_of, recompute_modules
+from lightning_osdp.errors import PlanError
 
 from conftest import ROOT, torchrun
 from models import Block, TinyGPT
@@ -56,13 +57,15 @@ class _Counting(nn.Module):
         return y
 
 
+@pytest.mark.parametrize("how", ["full", "selective"])
 @pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), _Counting])
-def test_recomputation_leaves_buffers_and_gradients_as_without_it(make: Any) -> None:
+def test_recomputation_leaves_buffers_and_gradients_as_without_it(make: Any, how: str) -> None:
     # BatchNorm updates its running statistics in its forward: replayed as is, they would move twice per step.
     torch.manual_seed(0)
     plain = make()
     recomputed = copy.deepcopy(plain)
-    recompute_modules(recomputed, [""])
+    recompute_modules(recomputed, [""], how)
+    assert recomputation_of(recomputed) == how
     for step in range(3):
         x = torch.randn(2, 3, 6, 6) if isinstance(plain, nn.Sequential) else torch.randn(2, 4)
         for model in (plain, recomputed):
@@ -98,6 +101,64 @@ def test_recomputation_saves_only_the_modules_inputs() -> None:
     assert sum(saved) < plain / 10  # the checkpoint's own records, not the block's activations
 
 
+def _live_after_forward(block: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the forward leaves alive for backward beyond its input and output (what autograd or a checkpoint keeps)."""
+    from lightning_osdp.memory import LiveStorageTracker
+
+    tracker = LiveStorageTracker().start(block)
+    start = tracker.mark()[1]
+    y = block(x)
+    kept = tracker.mark()[1] - start - y.untyped_storage().nbytes()
+    tracker.stop()
+    return kept
+
+
+def test_selective_recomputation_keeps_the_matrix_products_and_attention_and_recomputes_the_rest() -> None:
+    torch.manual_seed(0)
+    plain = Block(63, 252, dropout=0.2)
+    kept = {}
+    for how in ("none", "selective", "full"):
+        block = copy.deepcopy(plain)
+        if how != "none":
+            recompute_modules(block, [""], how)
+        kept[how] = _live_after_forward(block, torch.randn(8, 32, 63, requires_grad=True))
+    # What the policy keeps: the qkv and output projections (mm), fc and proj (addmm) and the attention's output and
+    # log-sum-exp (the CPU's flash kernel), all fp32 over 8 x 32 tokens; not the norms, GELU, dropout or residuals.
+    tokens, f = 8 * 32, 4
+    matmuls = tokens * (3 * 63 + 63 + 252 + 63) * f
+    attention = tokens * 63 * f + 8 * 3 * 32 * f
+    assert kept["selective"] == matmuls + attention
+    assert kept["full"] < kept["selective"] < kept["none"]
+    # Gradients are the plain module's with dropout on: the replay restores the RNG state for the masks.
+    x = torch.randn(4, 16, 63)
+    selective = copy.deepcopy(plain)
+    recompute_modules(selective, [""], "selective")
+    results = []
+    for block in (plain, selective):
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        y = block(xi)
+        torch.manual_seed(2)
+        y.square().sum().backward()
+        results.append((y, xi.grad, [p.grad for p in block.parameters()]))
+    (y1, g1, p1), (y2, g2, p2) = results
+    assert torch.equal(y1, y2) and torch.equal(g1, g2)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))
+
+
+def test_a_kept_output_changed_in_place_is_refused_with_the_module_named() -> None:
+    # nn.ReLU(inplace=True) right after a Linear overwrites the addmm output selective recomputation keeps: the
+    # recomputation would be served the ReLU's result. Refused at the end of the forward, not silently wrong.
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)))
+    recompute_modules(model, ["0"], "selective")
+    with pytest.raises(
+        PlanError, match=r"module '0': selective recomputation keeps the output of aten.addmm.*recompute='full'"
+    ):
+        model(torch.randn(3, 4, requires_grad=True))
+    recompute_modules(model, ["0"], "full")  # full recomputation replays it as it ran
+    model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+
+
 @pytest.mark.distributed
 def test_a_recomputed_sharded_unit_is_gathered_no_more_often_and_its_peak_is_predicted(tmp_path: Path) -> None:
     torchrun(ROOT / "tests" / "distributed" / "recompute_runner.py", str(tmp_path))
@@ -108,9 +169,15 @@ def test_a_recomputed_sharded_unit_is_gathered_no_more_often_and_its_peak_is_pre
     # A full_shard unit nested in a recomputed block is gathered by its own pre-forward in the recomputation, and its
     # pre-backward finds it gathered: still 2 per step (the shard_grad_op block: 1).
     assert results["nested"]["all_gathers"] == results["nested+recompute"]["all_gathers"] == 3
+    # Selective recomputation replays the same forward code: the same all-gathers.
+    assert results["full_shard+selective"]["all_gathers"] == 6 and results["nested+selective"]["all_gathers"] == 3
     for name, r in results.items():
         assert r["predicted"] == pytest.approx(r["peak"], rel=0.10), name
-    assert results["full_shard+recompute"]["peak"] < results["full_shard"]["peak"]
+    assert (
+        results["full_shard+recompute"]["peak"]
+        < results["full_shard+selective"]["peak"]
+        < results["full_shard"]["peak"]
+    )
 
 
 def test_a_model_of_recomputed_blocks_trains_under_the_strategy_and_the_plan_says_so(tmp_path: Path) -> None:
@@ -140,7 +207,10 @@ def test_a_model_of_recomputed_blocks_trains_under_the_strategy_and_the_plan_say
     assert isinstance(model.h[0], nn.Module)
 
 
-@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("true", True), ("false", False)])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("auto", "auto"), ("true", True), ("false", False), ("selective", "selective"), ("full", "full")],
+)
 def test_lightning_cli_yaml_accepts_every_activation_checkpointing_setting(
     tmp_path: Path, value: str, expected: object
 ) -> None:

@@ -43,9 +43,25 @@ buffers' version counters (as DDP's buffer broadcast does), so autograd sees no 
 :data:`SAVED_OPERATORS` are kept (``MUST_SAVE``), everything else is dropped and recomputed in backward
 (``PREFER_RECOMPUTE``); in the recomputation, a kept operator returns its stored output instead of running. The
 buffer contexts of [Note: a forward that mutates state] are entered around torch's, so BatchNorm's statistics still
-move once per step. Everything else (the FSDP2 hooks around the call, nested units gathered by their own hooks in
+move once per step. A kept output the forward then changes in place (``nn.ReLU(inplace=True)`` right after an
+``nn.Linear``) cannot be served to the recomputation (torch refuses it in backward): the forward's end checks the
+cache and raises, naming the module, and the profiler offers no selective recomputation for such a block. Everything
+else (the FSDP2 hooks around the call, nested units gathered by their own hooks in
 the recomputation, the RNG state restored for dropout) is the full recomputation's, since the whole forward's Python
 code runs again and only the kept operators' kernels are skipped.
+
+[Note: the operator caches]
+Eager selective recomputation runs through OSDP's own pair of dispatch modes (:class:`KeepOutputs` in forward,
+:class:`ReplayKept` in the recomputation), not the pair ``create_selective_checkpoint_contexts`` returns, which
+dynamo's compiled path still uses. torch's modes number *every* operator of the forward and refuse a recomputation
+that runs some operator more often than the forward did ("invocation index ... not found in storage"). A unit nested
+in the block (an inner Linear, a split one's slices) has FSDP2's hooks fire inside the checkpointed region, and in
+the recomputation they take other paths than in the forward (an all-gather already prefetched, its
+``record_function`` ranges): more profiler and copy operators, never a matrix product. Only the kept operators need
+matching, so OSDP's modes number those alone, per operator, and every other operator simply runs again. What a
+recomputation returns is the same tensors either way (the parity tests check the executor against a reference
+checkpointed by hand with torch's modes and the same operator list). As torch's, the forward's mode records each
+kept output's version counter, and the forward's end refuses a block that changed one in place.
 
 What is kept, and why: the matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``, float8's ``_scaled_mm``), the
 fused attention kernels (flash, memory-efficient, cuDNN, the CPU's flash and the overrideable one) and
@@ -72,6 +88,7 @@ half-way policy is not an option of the plan (one more per unit), see docs/how-i
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
@@ -80,7 +97,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_osdp._compat import preserve_version_counter
+from lightning_osdp._compat import (
+    TorchDispatchMode,
+    detach_sharing_version,
+    preserve_version_counter,
+    tree_leaves,
+    tree_map,
+)
+from lightning_osdp.errors import PlanError
 
 __all__ = [
     "SAVED_OPERATORS",
@@ -134,10 +158,15 @@ class RecomputedForward:
     of side effects on the module's buffers (see [Note: a forward that mutates state]). ``.inner`` is the forward it
     recomputes, ``.module`` the module it belongs to."""
 
-    def __init__(self, module: nn.Module, inner: Callable[..., Any], selective: bool = False) -> None:
+    def __init__(self, module: nn.Module, inner: Callable[..., Any], selective: bool = False, name: str = "") -> None:
         self.module = module
         self.inner = inner
         self.selective = selective
+        self.name = name
+        #: Selective only: what a forward was seen to change in place of what it keeps (see [Note: selective
+        #: recomputation]); with ``strict`` (the default) the forward raises instead.
+        self.mutated_kept: list[str] = []
+        self.strict = True
         #: Per training mode (``module.training``), the names of the buffers the module's forward was seen to mutate in
         #: place; a mode is missing until the first call in it.
         self.mutated: dict[bool, frozenset[str]] = {}
@@ -167,8 +196,24 @@ class _Call:
     def contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
         if not self.owner.selective:
             return self._forward(), self._recompute()
-        caching, cached = selective_contexts()
-        return _entered(self._forward(), caching), _entered(self._recompute(), cached)
+        keep = KeepOutputs()
+        return self._selective_forward(keep), _entered(self._recompute(), ReplayKept(keep))
+
+    @contextmanager
+    def _selective_forward(self, keep: KeepOutputs) -> Iterator[None]:
+        with self._forward(), keep:
+            yield
+        mutated = keep.mutated()
+        if not mutated:
+            return
+        self.owner.mutated_kept = sorted(set(self.owner.mutated_kept) | set(mutated))
+        if self.owner.strict:
+            raise PlanError(
+                f"module {self.owner.name!r}: selective recomputation keeps the output of {', '.join(mutated)}, and "
+                "the module's forward then changes it in place (an in-place operator on a matrix product's output, "
+                "such as nn.ReLU(inplace=True) after an nn.Linear, or `+=`), which the recomputation cannot replay; "
+                "recompute the module fully (recompute='full'), or make that operator out of place"
+            )
 
     @contextmanager
     def _forward(self) -> Iterator[None]:
@@ -197,6 +242,50 @@ class _Call:
         finally:
             # Also when torch stops the recomputation early, once it has rebuilt every tensor backward needs.
             _copy_into(restore, after)
+
+
+class KeepOutputs(TorchDispatchMode):
+    """The forward's side of selective recomputation: runs every operator, and keeps the outputs of
+    :data:`SAVED_OPERATORS` (detached, with their version counters) in call order per operator (see [Note: the
+    operator caches])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[Any, deque[tuple[Any, list[tuple[Tensor, int]]]]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPERATORS:
+            kept = tree_map(lambda t: detach_sharing_version(t) if isinstance(t, Tensor) else t, out)
+            versions = [(t, t._version) for t in tree_leaves(kept) if isinstance(t, Tensor)]
+            self.kept.setdefault(func, deque()).append((kept, versions))
+        return out
+
+    def mutated(self) -> list[str]:
+        """The kept operators whose outputs were changed in place since they ran."""
+        return sorted(
+            {str(func) for func, calls in self.kept.items() for _, vs in calls if any(t._version != v for t, v in vs)}
+        )
+
+
+class ReplayKept(TorchDispatchMode):
+    """The recomputation's side: a kept operator returns what its forward call returned (the n-th call of each
+    operator the n-th kept output), every other operator runs again."""
+
+    def __init__(self, keep: KeepOutputs) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        calls = self.keep.kept.get(func) if func in SAVED_OPERATORS else None
+        if not calls:
+            return func(*args, **(kwargs or {}))
+        kept, versions = calls.popleft()
+        if any(t._version != v for t, v in versions):
+            raise RuntimeError(
+                f"an output of {func} kept for selective recomputation was changed in place after its forward"
+            )
+        return kept
 
 
 @contextmanager
@@ -250,4 +339,4 @@ def recompute_modules(root: nn.Module, names: Iterable[str] | Mapping[str, str],
         if isinstance(forward, RecomputedForward):
             forward.selective = way == "selective"
         else:
-            module.forward = RecomputedForward(module, module.forward, selective=way == "selective")
+            module.forward = RecomputedForward(module, module.forward, selective=way == "selective", name=name)

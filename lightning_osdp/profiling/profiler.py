@@ -623,6 +623,9 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
             modules[block].recompute_forward_bytes = added
         selective = _selective(session, request.repeats)
         for block, figures in selective.items():
+            if figures.mutated:
+                info.setdefault("selective_refused", {})[block] = figures.mutated
+                continue
             modules[block].selective_kept_bytes = figures.kept_bytes
             modules[block].selective_forward_bytes = figures.forward_bytes
             modules[block].selective_replay_seconds = figures.replay_seconds
@@ -681,6 +684,8 @@ def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> Mo
     for name, (fwd, bwd) in timing.modules.items():
         profile.modules[name].fwd_seconds, profile.modules[name].bwd_seconds = fwd, bwd
     for name, figures in traced.selective.items():
+        if figures.mutated:
+            continue
         profile.modules[name].selective_replay_seconds = rates.seconds(figures.replay_ops)
     profile.step_overhead_seconds, profile.optimizer_step_seconds = timing.overhead, timing.optimizer
     profile.rates = rates

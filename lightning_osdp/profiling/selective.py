@@ -11,17 +11,18 @@ block checkpointed selectively, as the executor does it:
   inputs were live already), read off the memory meter at the block's forward hooks: the storages torch's caching
   mode holds, whatever the policy keeps;
 * *forward bytes*: the largest live bytes between those hooks, above the start (the meter's window);
-* *replay*: the block's forward run again the way torch's recomputation runs it, with the selective contexts'
-  second mode serving the kept operators from the first's cache (``torch.utils.checkpoint``'s own two modes, filled
-  by one more forward of the block in its forward hook). Measured mode times it on the device, with what the caching
-  mode adds to the forward (torch's modes dispatch every operator through Python: on a small model on the CPU that
-  is more than the kernels themselves; on a GPU-sized block, noise): the median of ``repeats`` such figures, each
-  with its cache filled anew. The estimated modes record the replay's operators (FLOPs and bytes, as the tracer
-  does) for the rates to turn into seconds, and count no dispatch cost (the rates have no term for it).
+* *replay*: the block's forward run again the way the recomputation runs it, the kept operators served from the
+  forward's cache (the executor's two modes, ``KeepOutputs`` and ``ReplayKept``, filled by one more forward of the
+  block in its forward hook). Measured mode times it on the device, with what the caching mode adds to the forward
+  (the modes dispatch every operator through Python: on a small model on the CPU that is more than the kernels
+  themselves; on a GPU-sized block, noise): the median of ``repeats`` such figures, each with its cache filled anew.
+  The estimated modes record the replay's operators (FLOPs and bytes, as the tracer does) for the rates to turn into
+  seconds, and count no dispatch cost (the rates have no term for it).
 
 The replay under the hook runs with gradients enabled (the recomputation records a graph too) on the block's own
 arguments; what it builds is dropped at once. Only blocks (the parameter-owning children of a
-``ModuleList``/``Sequential``, what the planner recomputes) are measured.
+``ModuleList``/``Sequential``, what the planner recomputes) are measured. A block whose forward changes a kept output
+in place (``nn.ReLU(inplace=True)`` after an ``nn.Linear``) gets no figures: selective recomputation cannot run it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_osdp._compat import disable_current_modes, tree_leaves
-from lightning_osdp.apply.recompute import RecomputedForward, recompute_modules, selective_contexts
+from lightning_osdp.apply.recompute import KeepOutputs, RecomputedForward, ReplayKept, recompute_modules
 from lightning_osdp.memory import memory_meter
 from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder
 
@@ -52,12 +53,15 @@ class SelectiveFigures:
         replay_seconds: the seconds selective recomputation adds to a step of it, timed: its replay, and what the
             caching mode adds to its forward (a Python dispatch per operator); ``None`` on fake tensors.
         replay_ops: its replay's operators (recorded on fake tensors only).
+        mutated: the kept operators whose outputs its forward changes in place: selective recomputation cannot
+            replay it (the figures are then not used).
     """
 
     kept_bytes: int = 0
     forward_bytes: int = 0
     replay_seconds: float | None = None
     replay_ops: OpTally = field(default_factory=OpTally)
+    mutated: list[str] = field(default_factory=list)
 
 
 class _Tally:
@@ -112,6 +116,9 @@ def measure_selective(
     if not blocks:
         return {}
     recompute_modules(work, blocks, "selective")
+    for name in blocks:
+        # A block that changes a kept output in place is recorded, not refused: the plan then never recomputes it so.
+        work.get_submodule(name).__dict__["forward"].strict = False
     meter = memory_meter(device, fake=fake)
     started: dict[str, int] = {}
     figures: dict[str, SelectiveFigures] = {name: SelectiveFigures() for name in blocks}
@@ -122,7 +129,8 @@ def measure_selective(
         assert isinstance(inner, RecomputedForward)
         times = []
         for _ in range(1 if fake else max(repeats, 1)):
-            caching, cached = selective_contexts()
+            caching = KeepOutputs()
+            cached = ReplayKept(caching)
             with torch.enable_grad():
                 if fake:
                     with caching:
@@ -159,6 +167,10 @@ def measure_selective(
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
             window, live = meter.mark()
             figure = figures[name]
+            forward = module.__dict__["forward"]
+            if forward.mutated_kept:
+                figure.mutated = list(forward.mutated_kept)
+                return
             out = _output_bytes(output)
             figure.kept_bytes = max(figure.kept_bytes, live - started[name] - out)
             figure.forward_bytes = max(figure.forward_bytes, window - started[name])

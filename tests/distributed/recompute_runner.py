@@ -38,6 +38,17 @@ PLANS: dict[str, dict[str, Any]] = {
         "h.1": "no_shard",
         "h.2": "no_shard",
     },
+    "full_shard+selective": {
+        "": "no_shard",
+        **{f"h.{i}": Decision("full_shard", recompute="selective") for i in range(3)},
+    },
+    "nested+selective": {
+        "": "no_shard",
+        "h.0": Decision("shard_grad_op", recompute="selective"),
+        "h.0.fc": "full_shard",
+        "h.1": "no_shard",
+        "h.2": "no_shard",
+    },
 }
 
 

@@ -91,6 +91,8 @@ PLANS: dict[str, Callable[[L.LightningModule], Plan]] = {
     "no_shard": lambda m: Plan.uniform(m, "no_shard"),
     "recompute": lambda m: Plan.uniform(m, "no_shard", recompute=True),
     "full_shard_recompute": lambda m: Plan.uniform(m, "full_shard", recompute=True),
+    "selective": lambda m: Plan.uniform(m, "no_shard", recompute="selective"),
+    "full_shard_selective": lambda m: Plan.uniform(m, "full_shard", recompute="selective"),
     "mixed": lambda m: Plan(
         {
             "": "no_shard",
