@@ -3,8 +3,10 @@
 Run under ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/cost_model_accuracy.py [options]``.
 Every rank profiles the GPT of ``examples/gpt`` once (``lightning_osdp.profiling.profile``, collectives
 benchmarked on the process group), then trains it with ``OSDPStrategy(plan=...)`` under each plan: all
-``no_shard``, all ``shard_grad_op``, all ``full_shard`` (one unit per block), and two mixed plans from the solver
-(at budgets 1/3 and 2/3 of the way from the smallest feasible peak to the all-``no_shard`` peak). Measured peak
+``no_shard``, all ``shard_grad_op``, all ``full_shard`` (one unit per block), the same with every block recomputed
+selectively (``*_sac``: ``recompute="selective"``) or fully (``*_ac``), two mixed plans from the solver (at budgets
+1/3 and 2/3 of the way from the smallest feasible peak to the all-``no_shard`` peak), and ``mixed_sac``, the solver's
+plan at 1/2 of the way with every unit recomputed selectively. Measured peak
 memory is the strategy's (``strategy.peak_memory_bytes``: live tensor storages from the step's start to the end
 of ``optimizer_step``), the maximum over ranks; step time is the median of the strategy's step times
 (``strategy.monitor``) after the steps run under the memory tracker and ``--warmup`` more, the maximum over ranks. The
@@ -35,7 +37,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
-from lightning_osdp import OSDPStrategy, Plan
+from lightning_osdp import Decision, OSDPStrategy, Plan
 from lightning_osdp.cost_model import predict
 from lightning_osdp.profiling import profile
 from lightning_osdp.solver import minimum_budget, solve
@@ -85,9 +87,10 @@ def main() -> None:
     parser.add_argument("--untied", action="store_true", help="an LM head of its own (4 heads)")
     parser.add_argument(
         "--plans",
-        default="no_shard,shard_grad_op,full_shard,mixed1,mixed2",
-        help="comma-separated: no_shard, shard_grad_op, full_shard, mixed1, mixed2 (solved at 1/3 and 2/3 of the way "
-        "from the smallest feasible peak to DDP's), NAME=PLAN.json",
+        default="no_shard,shard_grad_op,full_shard,mixed1,mixed2,no_shard_sac,full_shard_sac,full_shard_ac,mixed_sac",
+        help="comma-separated: no_shard, shard_grad_op, full_shard (each also with _sac: every block recomputed "
+        "selectively, or _ac: fully), mixed1, mixed2 (solved at 1/3 and 2/3 of the way from the smallest feasible peak "
+        "to DDP's), mixed_sac (solved at 1/2 with selective recomputation on every unit), NAME=PLAN.json",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -111,8 +114,12 @@ def main() -> None:
     plans: dict[str, Plan] = {}
     wanted = args.plans.split(",")
     for mode in ("no_shard", "shard_grad_op", "full_shard"):
-        if mode in wanted:
-            plans[mode] = Plan({"": mode, **{b: mode for b in blocks}}, info={"source": f"uniform:{mode}"})
+        for suffix, how in (("", "none"), ("_sac", "selective"), ("_ac", "full")):
+            if mode + suffix in wanted:
+                plans[mode + suffix] = Plan(
+                    {"": mode, **{b: Decision(mode, recompute=how) for b in blocks}},
+                    info={"source": f"uniform:{mode}{suffix}"},
+                )
     for entry in wanted:
         if "=" in entry:  # NAME=PLAN.json: a plan of one's own
             name, path = entry.split("=", 1)
@@ -123,6 +130,10 @@ def main() -> None:
         for i, name in enumerate(("mixed1", "mixed2"), start=1):
             if name in wanted:
                 plans[name] = solve(prof, int(low + (high - low) * i / 3), ws)
+    if "mixed_sac" in wanted:
+        low = minimum_budget(prof, ws, recompute="selective")
+        high = predict(prof, Plan({"": "no_shard", **{b: "no_shard" for b in blocks}}), ws).peak_bytes
+        plans["mixed_sac"] = solve(prof, int(low + (high - low) / 2), ws, recompute="selective")
 
     # Each round profiles again and measures every plan right after: on a shared machine, load drifts over
     # minutes, so a prediction is compared with measurements taken under the same conditions as its profile.

@@ -1,5 +1,6 @@
 """Sweeps memory budgets from the smallest feasible one (recomputation allowed) to DDP's requirement on 2 ranks, for a
-GPT whose activations are most of its memory, in one launch; and measures FULL_SHARD without recomputation.
+GPT whose activations are most of its memory, in one launch; and measures FULL_SHARD without recomputation, and a
+plan with selective recomputation forced on every block (``activation_checkpointing="selective"``).
 
 For each budget: ``Trainer(strategy=OSDPStrategy(memory_budget=b))`` profiles, solves (recomputation chosen where it
 pays), applies and trains; the measured peak of every rank is saved. Usage: ``recompute_sweep_runner.py OUT_DIR``.
@@ -49,7 +50,13 @@ def fit(strategy: OSDPStrategy) -> dict[str, Any]:
     peak = torch.tensor([strategy.peak_memory_bytes], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     assert strategy.plan is not None
-    return {"peak": int(peak), "plan": strategy.plan.to_dict(), "losses": lm.losses}
+    report = strategy.plan.report
+    return {
+        "peak": int(peak),
+        "plan": strategy.plan.to_dict(),
+        "predicted": report.predicted_peak_bytes if report is not None else None,  # None: a plan given by hand
+        "losses": lm.losses,
+    }
 
 
 def main() -> None:
@@ -69,6 +76,15 @@ def main() -> None:
         for i, b in enumerate(budgets)
     ]
     full_shard = fit(OSDPStrategy(plan=Plan.uniform(model(), "full_shard")))
+    # Selective recomputation forced on every block, half-way from its own minimum to DDP's need.
+    low_selective = minimum_budget(prof, 2, recompute="selective")
+    selective_budget = int((low_selective + ddp.peak_bytes) / 2 / (1 - HEADROOM)) + 1
+    selective = {
+        "budget": selective_budget,
+        **fit(
+            OSDPStrategy(memory_budget=selective_budget, memory_headroom=HEADROOM, activation_checkpointing="selective")
+        ),
+    }
     if dist.get_rank() == 0:
         torch.save(
             {
@@ -78,6 +94,8 @@ def main() -> None:
                 "activations": activations,
                 "results": results,
                 "full_shard_peak": full_shard["peak"],
+                "low_selective": low_selective,
+                "selective": selective,
             },
             out / "sweep.pt",
         )
