@@ -144,7 +144,8 @@ def main() -> None:
             print(
                 f"{format_bytes(row['budget']):>10} {format_bytes(row['predicted_peak']):>10} "
                 f"{format_bytes(row['measured_peak']):>10} {row['predicted_peak'] / row['measured_peak']:>6.3f} "
-                f"{'yes' if row['fits'] else 'NO':>4}  {row['step_fastest'] * 1e3:7.1f} / {row['step_median'] * 1e3:7.1f}"
+                f"{'yes' if row['fits'] else 'NO':>4}  "
+                f"{row['step_fastest'] * 1e3:7.1f} / {row['step_median'] * 1e3:7.1f}"
                 f"  {row['plan']}"
             )
             if "without" in row:
