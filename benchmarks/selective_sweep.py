@@ -4,7 +4,8 @@ Run: ``python -m torch.distributed.run --nproc-per-node 2 benchmarks/selective_s
 
 1. Profiles the GPT of ``examples/gpt`` (activations most of its memory at the default shape) once on the process
    group; the sweep's ``--budgets`` budgets run evenly from the new minimum (``minimum_budget``: full recomputation
-   allowed) to DDP's predicted need.
+   allowed) to DDP's predicted need, each given as a user gives it: the planner plans against ``1 - --headroom`` of
+   it.
 2. At each budget solves twice from that profile: with every option (``recompute="auto"``: none, selective or full
    per unit) and without selective recomputation (the same profile less its selective figures, so ``"auto"`` chooses
    between none and full only, as the planner before it did).
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--budgets", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--headroom", type=float, default=0.02, help="the planner's memory headroom")
     parser.add_argument("--out", type=Path)
     parser.set_defaults(width=192, depth=4, heads=4, context=256, batch=8, steps=10, warmup=3)
     args = parser.parse_args()
@@ -94,12 +96,14 @@ def main() -> None:
     stripped = without_selective(prof)
     ddp_need = predict(prof, Plan.uniform(make_model(args), "no_shard"), world).peak_bytes
     low = minimum_budget(prof, world)
-    budgets = [int(low + (ddp_need - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
+    # Budgets as a user gives them: the planner plans against (1 - headroom) of each, as OSDPStrategy does.
+    planned = [int(low + (ddp_need - low) * i / (args.budgets - 1)) for i in range(args.budgets)]
+    budgets = [int(p / (1 - args.headroom)) + 1 for p in planned]
     # Per budget, the plan with every option and the best plan without selective recomputation.
     cases: dict[str, Plan] = {}
     rows: list[dict[str, Any]] = []
-    for i, budget in enumerate(budgets):
-        with_it, without_it = solve(prof, budget, world), solve(stripped, budget, world)
+    for i, (budget, target) in enumerate(zip(budgets, planned, strict=True)):
+        with_it, without_it = solve(prof, target, world), solve(stripped, target, world)
         cases[f"b{i}"] = with_it
         row: dict[str, Any] = {"budget": budget, "plan": with_it.summary(), "case": f"b{i}"}
         if uses_selective(with_it):

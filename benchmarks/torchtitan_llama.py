@@ -21,8 +21,13 @@ MFU is torchtitan's (``torchtitan/utils.py`` ``get_num_flop_per_token``): ``6 * 
 12 * layers * heads * head_dim * sequence`` FLOPs per token (causal attention counted as full, "we follow the
 convention"), over the data sheet's dense BF16 peak (989 TFLOPS for both H100s, as torchtitan divides by).
 
-Selective activation checkpointing (per operator) is not yet a plan's choice: the runs that use it are predicted with
-every block and with every second block recomputed, the two ends it lies between in memory, and labelled so.
+Selective activation checkpointing (per operator) is a plan's choice (``recompute="selective"``: the outputs of the
+matrix products and attention kept, the other operators recomputed): the runs that use it are predicted with it on
+every block, and, beside it, with every block fully recomputed and with every second block, as the dry run could only
+express them before. torchtitan's published runs also recompute every second matrix product of a block (its
+``_save_list`` policy); OSDP's selective policy keeps them all, so its figures sit above torchtitan's in memory and
+below in recomputed work. ``fits`` says whether the predicted peak fits the GPU's memory less the CUDA reserve and the
+planner's headroom, as ``osdp plan`` judges it.
 
 Run from the repository root: ``python benchmarks/torchtitan_llama.py [--only NAME]`` (the 405B shape takes most of
 the time: a few minutes on 2 cores). ``--out FILE`` writes the rows as JSON.
@@ -43,12 +48,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "llama"))
 
-from lightning_osdp.budget import format_bytes
+from lightning_osdp.budget import CUDA_RESERVE_BYTES, format_bytes
 from lightning_osdp.cli.estimate import estimated_profile
 from lightning_osdp.cli.hardware import get_hardware
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Decision, Plan
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, planned_budget
 
 from llama import LLAMA3_1_8B, LlamaModule, ffn_hidden_size
 
@@ -180,8 +186,8 @@ def fsdp_predictions(run: PublishedRun) -> tuple[list[tuple[str, Prediction, Pla
     """The dry run's FSDP rows: the model on the meta device, profiled on fake tensors with the preset's figures,
     every block and the root ``full_shard``, on the preset's nodes; the seconds the trace took.
 
-    A run with selective checkpointing (per operator) is predicted with every block and with every second block
-    recomputed (see the module docstring)."""
+    A run with selective checkpointing (per operator) is predicted with it on every block, and with every block and
+    every second block fully recomputed (see the module docstring)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     with torch.device("meta"):
@@ -208,14 +214,21 @@ def fsdp_predictions(run: PublishedRun) -> tuple[list[tuple[str, Prediction, Pla
     )
     fsdp = Plan.uniform(module, "full_shard")
     blocks = [name for name in fsdp.decisions if name]
-    every = {"none": [("no recomputation", 0)], "full": [("every block recomputed", 1)]}.get(
+    every: list[tuple[str, int, str]] = {
+        "none": [("no recomputation", 0, "none")],
+        "full": [("every block recomputed", 1, "full")],
+    }.get(
         run.activation_checkpointing,
-        [("selective AC, not expressible: every block recomputed", 1), ("selective AC, not expressible: every 2nd", 2)],
+        [
+            ("selective on every block", 1, "selective"),
+            ("before: every block fully recomputed", 1, "full"),
+            ("before: every 2nd block fully recomputed", 2, "full"),
+        ],
     )
     variants = []
-    for label, step in every:
+    for label, step, how in every:
         recomputed = blocks[::step] if step else []
-        plan = Plan({**fsdp.decisions, **{b: Decision("full_shard", recompute=True) for b in recomputed}})
+        plan = Plan({**fsdp.decisions, **{b: Decision("full_shard", recompute=how) for b in recomputed}})  # type: ignore[arg-type]
         variants.append((label, plan))
     return [(label, predict(profile, plan, figures.topology), plan) for label, plan in variants], traced
 
@@ -238,7 +251,10 @@ def main() -> None:
         if args.only and args.only not in run.name:
             continue
         predictions, traced = fsdp_predictions(run)
-        peak = get_hardware(run.hardware).half_flops
+        hardware = get_hardware(run.hardware)
+        peak = hardware.half_flops
+        capacity = hardware.figures(run.world_size, "bf16-mixed", nodes=run.nodes).memory_bytes
+        budget = planned_budget(capacity - CUDA_RESERVE_BYTES, DEFAULT_MEMORY_HEADROOM) if capacity else None
         per_token = flops_per_token(run.shape, _parameters_without_embedding(run.shape))
         for label, prediction, plan in predictions:
             tokens = run.batch_size * int(run.shape["context_length"])
@@ -260,6 +276,8 @@ def main() -> None:
                     "published_memory_gib": run.memory_gib,
                     "predicted_memory_gib": round(prediction.peak_bytes / GIB, 2),
                     "memory_ratio": round(prediction.peak_bytes / GIB / run.memory_gib, 3) if run.memory_gib else None,
+                    "fits": prediction.peak_bytes <= budget if budget is not None else None,
+                    "planned_budget_gib": round(budget / GIB, 2) if budget is not None else None,
                     "step_ms": round(prediction.step_seconds * 1e3, 1),
                     "step_parts_ms": {k: round(v * 1e3, 1) for k, v in prediction.step_parts.items()},
                     "communication_ms": round(prediction.communication_seconds * 1e3, 1),
@@ -272,7 +290,7 @@ def main() -> None:
             )
     header = (
         f"{'run':32} {'AC':>12} {'modelled as':>52} {'tok/s pub':>10} {'tok/s dry':>10} {'ratio':>6} "
-        f"{'MFU pub':>8} {'MFU dry':>8} {'GiB pub':>8} {'GiB dry':>8} {'ratio':>6}"
+        f"{'MFU pub':>8} {'MFU dry':>8} {'GiB pub':>8} {'GiB dry':>8} {'ratio':>6} {'fits':>5}"
     )
     print(header)
     print("-" * len(header))
@@ -284,7 +302,8 @@ def main() -> None:
         print(
             f"{r['run']:32} {r['activation_checkpointing']:>12} {r['modelled_as']:>52} {pub_rate:>10} "
             f"{r['predicted_tokens_per_second']:>10,.0f} {ratio:>6} {_mfu_text(r['published_mfu']):>8} "
-            f"{r['predicted_mfu']:>8.1%} {pub_mem:>8} {r['predicted_memory_gib']:>8.1f} {mem_ratio:>6}"
+            f"{r['predicted_mfu']:>8.1%} {pub_mem:>8} {r['predicted_memory_gib']:>8.1f} {mem_ratio:>6} "
+            f"{'-' if r['fits'] is None else 'yes' if r['fits'] else 'no':>5}"
         )
     for r in rows:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in r["step_parts_ms"].items())

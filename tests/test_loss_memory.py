@@ -153,7 +153,7 @@ def test_profiles_of_version_2_load_without_a_loss_region(tmp_path: Path) -> Non
     measured = profile(Head(), _batch())
     path = measured.save(tmp_path / "v3.profile.json")
     data = json.loads(path.read_text())
-    assert data["version"] == 3 and data["loss"]["output_bytes"] == LOGITS
+    assert data["version"] == 4 and data["loss"]["output_bytes"] == LOGITS
     assert ModelProfile.load(path) == measured
     del data["loss"], data["measured_peak_correction"]
     data["version"] = 2

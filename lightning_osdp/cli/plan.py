@@ -503,7 +503,8 @@ def _parts_table(run: DryRun, profile: ModelProfile, rows: Sequence[StrategyFigu
         f"compute: each operator's FLOPs and bytes ({rates.dtype}; see the figures below) plus "
         f"{rates.matmul_op_seconds * 1e6:.0f}/{rates.memory_op_seconds * 1e6:.0f} us per matmul/other kernel, "
         f"other operators' bytes at {rates.memory_bytes_per_second / 1e9:,.0f} GB/s; recompute: the forward of the "
-        "recomputed blocks, run again in backward; exposed comm and contention: see the next table.",
+        "fully recomputed blocks, run again in backward, and the replay of the selective ones (their operators but "
+        "the matrix products, attention and convolutions); exposed comm and contention: see the next table.",
         f"copies: FSDP2's copy-out after each all-gather, DDP's gradient copy into its buckets, and side-stream "
         f"copies compute does not hide, at {run.figures.copy_bytes_per_second / 1e9:,.0f} GB/s; optimizer: its step "
         "over each rank's local parameters (traced on the target's rates); overhead: the loss, the training loop, "

@@ -143,7 +143,7 @@ def run(name: str, tokens: torch.Tensor, prof: Any) -> dict[str, Any]:
     prediction = predict(prof, plan, dist.get_world_size())
     blocks = []
     for i in range(BLOCKS):
-        entry: dict[str, Any] = {"recompute": plan.decisions[f"h.{i}"].recompute}
+        entry: dict[str, Any] = {"recompute": plan.decisions[f"h.{i}"].recomputes}
         for phase in ("forward", "backward"):
             predicted = [v for label, v in prediction.instants if label == f"{phase} h.{i}"]
             entry[phase] = {"measured": min(s[1][(phase, i)] for s in steps), "predicted": max(predicted)}

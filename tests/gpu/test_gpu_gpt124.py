@@ -247,7 +247,7 @@ def test_under_a_budget_only_recomputation_meets_the_planner_recomputes_and_keep
     smallest = smallest_memory_budget(profile, 1)
     budget = (keeping + smallest) // 2
     plan = plan_model(profile, budget, 1)
-    recomputed = sorted(name for name, decision in plan.decisions.items() if decision.recompute)
+    recomputed = sorted(name for name, decision in plan.decisions.items() if decision.recomputes)
     record_property("budget", {"bytes": budget, "keeping_peak_bytes": keeping, "smallest_budget_bytes": smallest})
     record_property("recomputed", recomputed)
     assert recomputed, f"under {gib(budget)} (below {gib(keeping)}) the planner recomputes nothing: {plan.summary()}"
