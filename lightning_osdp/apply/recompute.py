@@ -108,7 +108,9 @@ from lightning_osdp.errors import PlanError
 
 __all__ = [
     "SAVED_OPERATORS",
+    "KeepOutputs",
     "RecomputedForward",
+    "ReplayKept",
     "is_recomputed",
     "recomputation_of",
     "recompute_modules",
