@@ -38,6 +38,8 @@ BYTE_FIELDS = (
     "activation_bytes",
     "output_bytes",
     "fwd_flops",
+    "selective_kept_bytes",
+    "selective_forward_bytes",
 )
 
 
@@ -284,6 +286,18 @@ def test_estimated_mode_on_the_meta_device_counts_the_same_bytes_as_measured() -
     assert 1e9 < rates.matmul_flops_per_second < 1e13
     assert 1e8 < rates.memory_bytes_per_second < 1e12
     assert estimated.modules["h.0.fc"].fwd_seconds > 0 and estimated.modules["h.0.fc"].bwd_seconds > 0
+    # The blocks under selective recomputation: what they keep is part of what they save, measured alike on fake
+    # tensors; the replay timed on the device, or from its operators at the rates, less than the block's forward.
+    for name in ("h.0", "h.1", "h.2"):
+        block = [m for n, m in measured.modules.items() if n == name or n.startswith(name + ".")]
+        kept = measured.modules[name].selective_kept_bytes
+        assert kept is not None and 0 < kept < sum(m.activation_bytes for m in block)
+        for p in (measured, estimated):
+            replay = p.modules[name].selective_replay_seconds
+            assert replay is not None and replay > 0
+        forward = sum(estimated.modules[m.name].fwd_seconds for m in block)
+        assert estimated.modules[name].selective_replay_seconds < forward
+    assert measured.modules["ln_f"].selective_kept_bytes is None  # not a block
     assert estimated.optimizer_step_seconds > 0
     # Facts later stages read: the order modules ran in, and the copy bandwidth of this device.
     order = estimated.forward_order
