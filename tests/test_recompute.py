@@ -262,3 +262,19 @@ def test_activation_checkpointing_rules_the_planners_choice() -> None:
     assert how("auto", budget) - {"none"}
     with pytest.raises(ValueError, match=r"activation_checkpointing='yes'.*expected 'auto'"):
         OSDPStrategy(activation_checkpointing="yes")
+
+
+def test_a_budget_only_full_recomputation_meets_says_so_when_selective_is_forced() -> None:
+    from lightning_osdp import minimum_budget
+    from lightning_osdp.solver import InfeasibleBudgetError, solve
+
+    from synthetic import gpt_profile
+
+    profile = gpt_profile(depth=4, width=128, tokens=256)
+    full, selective = minimum_budget(profile, 2, recompute="full"), minimum_budget(profile, 2, recompute="selective")
+    none = minimum_budget(profile, 2, recompute=False)
+    # Selective recomputation keeps the matrix products' outputs: its minimum lies between the other two.
+    assert full < selective < none
+    with pytest.raises(InfeasibleBudgetError, match=r"recompute fully .*activation_checkpointing='auto' or 'full'"):
+        solve(profile, (full + selective) // 2, 2, recompute="selective")
+    assert solve(profile, (full + selective) // 2, 2).report.predicted_peak_bytes <= (full + selective) // 2

@@ -1122,6 +1122,9 @@ def _infeasible(problem: PlanningProblem, budget: int, time_limit: float) -> Inf
         + (
             ", or let the planner recompute activations (activation_checkpointing='auto')."
             if problem.recompute is False
+            else ", or let the planner recompute fully where selective recomputation keeps too much "
+            "(activation_checkpointing='auto' or 'full')."
+            if problem.recompute == "selective"
             else "."
         )
     )
