@@ -105,7 +105,7 @@ def check_precision_for_policy(policy: MixedPrecisionPolicy | None, precision: s
 
 
 def check_memory_budget(value: Any) -> int | None:
-    """``None`` (the device's capacity) or bytes between 1 MiB and 1 EiB (see
+    """``None`` (the device's capacity) or bytes between 4 KiB and 1 EiB (see
     :func:`~lightning_osdp.budget.check_memory_budget`, and its [Note: how a budget is spelled])."""
     if value is None:
         return None
