@@ -131,6 +131,8 @@ class OSDPStrategy(ParallelStrategy):
             ``osdp_plan.json`` in the logger's directory.
         solver_time_limit: seconds the ILP solver may take (a positive number); the plan records whether it is
             proven optimal.
+        solver: the ILP's solver, ``"cbc"`` (default: pulp's bundled CBC) or ``"highs"`` (HiGHS in process, with
+            the ``highspy`` package); ``lightning_osdp/solver/ilp.py`` [Note: the MILP solver] has the figures.
         memory_headroom: the fraction of the budget the planner keeps free: it plans against
             ``memory_budget * (1 - memory_headroom)``, exactly as ``osdp plan --memory`` does (both call
             :func:`~lightning_osdp.solver.plan_model`; see ``lightning_osdp/solver/policy.py`` [Note: headroom]).
@@ -189,6 +191,7 @@ class OSDPStrategy(ParallelStrategy):
         find_unused_parameters: bool | None = None,
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
+        solver: str = "cbc",
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
@@ -209,6 +212,7 @@ class OSDPStrategy(ParallelStrategy):
         self._activation_checkpointing = options.check_activation_checkpointing(activation_checkpointing)
         self._plan_out = options.check_plan_out(plan_out)
         self._solver_time_limit = options.check_solver_time_limit(solver_time_limit)
+        self._solver = options.check_solver(solver)
         self._memory_headroom = options.check_memory_headroom(memory_headroom)
         self._profile: ModelProfile | None = None
         # Where this run saved the profile beside its plan (rank 0), to record a measured correction in.
@@ -660,6 +664,7 @@ class OSDPStrategy(ParallelStrategy):
             max_split=self._max_split,
             recompute=self._activation_checkpointing,
             time_limit=self._solver_time_limit,
+            solver=self._solver,
         )
 
     def _representative_batch(self, trainer: pl.Trainer) -> tuple[Any, str, str]:
