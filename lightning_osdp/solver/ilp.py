@@ -19,15 +19,15 @@ added seconds (exposed communication, copies, optimizer, overhead) are precomput
 (``max(0, communication - overlap * its compute)``), so the objective is linear.
 
 [Note: solving]
-The LP relaxation is solved first (CBC, ``mip=False``): it is a lower bound, and in practice only one or two
+The LP relaxation is solved first (integrality dropped): it is a lower bound, and in practice only one or two
 choices come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan
 that fits; when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise the
 count relaxation below tightens the bound and may place a better plan; then a small branch and bound over the
 fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses, and failing that
-CBC's branch and bound runs on the whole problem with ``gapRel`` and
-``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its ``sol_status`` and
-log decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility (then the
-smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
+the solver's branch and bound (CBC's or HiGHS's, see [Note: the MILP solver]) runs on the whole problem with
+``gapRel`` and ``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its
+status and bound decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility
+(then the smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
 feasibility pump alone takes longer than the whole LP-and-round path.
 
 Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_tighten_by_counts``,
@@ -50,6 +50,25 @@ the class only through its sums. Its solution came out whole in every instance m
 ILP (an optimal one when the bound is its value); otherwise, if rounding is not within the gap of the bound, the
 counts it found are placed (the ILP with the counts fixed). CBC's preprocessing and primal
 heuristics are turned off for both (``_LIGHT``): on these few integers they cost more than the search.
+
+[Note: the MILP solver]
+Every phase runs on one solver, chosen per solve (``solver=``): CBC, bundled with pulp and run as a subprocess on
+files (``cbc.py``), or HiGHS, run in process by pulp through ``highspy``. pulp stays the modelling layer either way:
+the rows are built once, in ``_formulate``, and each phase changes bounds or categories and solves again. Two things
+differ. pulp leaves the objective's constant (the compute every plan pays) out of the model it hands either solver,
+so their relative gaps and bounds are of the communication part alone: CBC is given the gap also as an absolute
+one and its log's figures are corrected by the constant; HiGHS is given the constant as its objective offset
+(``_HiGHS``), and its gap, dual bound and cutoff (``objective_bound``) are then of the whole step time. And only CBC
+needs the machinery of a subprocess: the solve's directory, its cleanup on SIGTERM and after a kill, the log read
+back for the bound, the MIP start it is never given (``_run_cbc``'s NOTE); HiGHS returns its status and bound as
+values and leaves no file or process behind.
+
+CBC stays the default because HiGHS was not faster on the figures (``docs/benchmarks.md``, "Planning speed"): with
+the same phases on the 297- and 1,997-unit benchmarks neither solver is faster at every budget, and on both the time
+goes to the branch and bound of the count relaxation and of the last phase, not to handing the model over (pulp
+builds HiGHS's model in process in less time than it writes CBC's file). So the subprocess machinery stays, and so
+do the phases, which the same figures show each earn their keep on CBC at some budget. Both solvers reach the
+brute-force optima of ``tests/test_solver.py``.
 """
 
 from __future__ import annotations
