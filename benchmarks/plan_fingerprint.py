@@ -33,7 +33,7 @@ from typing import Any
 from lightning_osdp.cost_model import CostModelConfig, predict
 from lightning_osdp.plan import Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
-from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, minimum_budget, solve
+from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, SolverError, minimum_budget, solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic profiles are a test fixture
 from synthetic import gloo_like_collectives, gpt_profile
@@ -80,8 +80,10 @@ def run_case(
     solver: str = "cbc",
 ) -> dict[str, Any]:
     kw: dict[str, Any] = {"splits": splits, "config": config, **({"modes": modes} if modes else {})}
+    # Only a solver other than the default is named, so that this script also records code that predates the choice.
+    chosen = {} if solver == "cbc" else {"solver": solver}
     started = time.perf_counter()
-    low = minimum_budget(profile, ws, solver=solver, **kw)
+    low = minimum_budget(profile, ws, **kw, **chosen)
     record: dict[str, Any] = {"name": name, "minimum_budget": low, "minimum_seconds": time.perf_counter() - started}
     problem = PlanningProblem(profile, ws, **kw)
     plans = hand_plans(problem)
@@ -89,7 +91,7 @@ def run_case(
     budgets = [int(low + (high - low) * f) for f in (0.1, 0.3, 0.5, 0.7, 0.9)]
     if detailed:
         budgets += [low, high, low - 1]
-    record["solves"] = [solve_record(profile, ws, b, {**kw, "solver": solver}, detailed) for b in budgets]
+    record["solves"] = [solve_record(profile, ws, b, {**kw, **chosen}, detailed) for b in budgets]
     if detailed:
         record["hand"] = {k: prediction_record(profile, p, ws, config) for k, p in plans.items()}
     return record
@@ -102,6 +104,8 @@ def solve_record(profile: ModelProfile, ws: int, budget: int, kw: dict[str, Any]
         plan = solve(profile, budget, ws, **kw)
     except InfeasibleBudgetError as e:
         entry["infeasible"] = [str(e), e.minimum, e.consumers]
+    except SolverError as e:  # no plan within the time limit: recorded, and the record goes on
+        entry["solver_error"] = str(e).split(" within ")[0]
     else:
         entry["decisions"] = plan.to_dict()["decisions"]
         entry["info"] = {k: v for k, v in plan.info.items() if k not in TIMINGS}
@@ -204,10 +208,11 @@ def _print_changes(a: dict[str, Any], b: dict[str, Any]) -> None:
                 f"{x['info']['status']} -> {y['info']['status']}"
             )
         else:
-            print(
-                f"    budget {x['budget']}: {'infeasible' if 'infeasible' in x else 'solved'} -> "
-                f"{'infeasible' if 'infeasible' in y else 'solved'}"
-            )
+            print(f"    budget {x['budget']}: {_outcome(x)} -> {_outcome(y)}")
+
+
+def _outcome(entry: dict[str, Any]) -> str:
+    return next((k for k in ("infeasible", "solver_error") if k in entry), "solved")
 
 
 def main() -> None:
