@@ -183,7 +183,10 @@ def check_solver(value: Any) -> str:
     """One of ``lightning_osdp.solver.ilp.SOLVERS`` that is installed (``"highs"`` needs ``highspy``)."""
     from lightning_osdp.solver.ilp import check_solver
 
-    return check_solver(value)
+    try:
+        return check_solver(value)
+    except ValueError as err:
+        raise ValueError(f"OSDPStrategy(solver=...): {err}") from None
 
 
 def check_memory_headroom(value: Any) -> float:

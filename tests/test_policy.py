@@ -106,5 +106,5 @@ def test_the_solver_choice_reaches_the_ilp_from_the_strategy_and_the_cli(
     assert used[-1] == "cbc"
     assert chosen.report is not None and cbc.report is not None
     assert chosen.report.predicted_step_seconds == pytest.approx(cbc.report.predicted_step_seconds, rel=1e-3)
-    with pytest.raises(ValueError, match="solver must be one of 'cbc', 'highs'"):
+    with pytest.raises(ValueError, match=r"OSDPStrategy\(solver=...\): solver must be one of 'cbc', 'highs'"):
         OSDPStrategy(solver="glpk")
