@@ -179,6 +179,16 @@ def check_solver_time_limit(value: Any) -> float:
     return _seconds("solver_time_limit", value)
 
 
+def check_solver(value: Any) -> str:
+    """One of ``lightning_osdp.solver.ilp.SOLVERS`` that is installed (``"highs"`` needs ``highspy``)."""
+    from lightning_osdp.solver.ilp import check_solver
+
+    try:
+        return check_solver(value)
+    except ValueError as err:
+        raise ValueError(f"OSDPStrategy(solver=...): {err}") from None
+
+
 def check_memory_headroom(value: Any) -> float:
     """A fraction in ``[0, 0.5)``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -47,6 +47,7 @@ class PlannerOptions:
     activation_checkpointing: bool | Literal["auto"]
     time_limit: float
     headroom: float
+    solver: str = "cbc"
 
     @classmethod
     def checked(
@@ -57,6 +58,7 @@ class PlannerOptions:
         activation_checkpointing: Any,
         solver_time_limit: Any,
         memory_headroom: Any,
+        solver: Any = "cbc",
     ) -> PlannerOptions:
         """The options, each checked (``TypeError``/``ValueError`` naming the argument)."""
         return cls(
@@ -65,6 +67,7 @@ class PlannerOptions:
             activation_checkpointing=options.check_activation_checkpointing(activation_checkpointing),
             time_limit=options.check_solver_time_limit(solver_time_limit),
             headroom=options.check_memory_headroom(memory_headroom),
+            solver=options.check_solver(solver),
         )
 
     def plan(self, profile: ModelProfile, budget: int, topology: int | Topology) -> Plan:
@@ -80,6 +83,7 @@ class PlannerOptions:
             max_split=self.max_split,
             recompute=self.activation_checkpointing,
             time_limit=self.time_limit,
+            solver=self.solver,
         )
 
     def fits(self, profile: ModelProfile, plan: Plan, budget: int, topology: Topology) -> bool:

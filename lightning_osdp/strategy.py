@@ -114,6 +114,7 @@ class OSDPStrategy(ParallelStrategy):
             ``False`` (never).
         plan_out: where the solved plan is saved (its profile beside it); default ``osdp_plan.json`` in the log dir.
         solver_time_limit: seconds the ILP solver may take; the plan records whether it is proven optimal.
+        solver: the ILP's solver, ``"cbc"`` (pulp's bundled CBC) or ``"highs"`` (HiGHS in process, ``highspy``).
         memory_headroom: the fraction of the budget the planner keeps free, as ``osdp plan --memory`` does.
         mixed_precision: ``None``, ``"bf16"`` or a ``MixedPrecisionPolicy`` for the sharded units (with the autocast
             precision of its dtype; see [Note: mixed precision]).
@@ -154,6 +155,7 @@ class OSDPStrategy(ParallelStrategy):
         find_unused_parameters: bool | None = None,
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
+        solver: str = "cbc",
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
@@ -175,6 +177,7 @@ class OSDPStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             solver_time_limit=solver_time_limit,
             memory_headroom=memory_headroom,
+            solver=solver,
         )
         self._plan_out = options.check_plan_out(plan_out)
         self._profile: ModelProfile | None = None
