@@ -33,7 +33,7 @@ from typing import Any
 from lightning_osdp.cost_model import CostModelConfig, predict
 from lightning_osdp.plan import Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
-from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, minimum_budget, solve
+from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, SolverError, minimum_budget, solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the synthetic profiles are a test fixture
 from synthetic import gloo_like_collectives, gpt_profile
@@ -77,10 +77,13 @@ def run_case(
     modes: tuple[str, ...] | None = None,
     splits: tuple[int, ...] = (1, 2, 4, 8),
     detailed: bool = True,
+    solver: str = "cbc",
 ) -> dict[str, Any]:
     kw: dict[str, Any] = {"splits": splits, "config": config, **({"modes": modes} if modes else {})}
+    # Only a solver other than the default is named, so that this script also records code that predates the choice.
+    chosen = {} if solver == "cbc" else {"solver": solver}
     started = time.perf_counter()
-    low = minimum_budget(profile, ws, **kw)
+    low = minimum_budget(profile, ws, **kw, **chosen)
     record: dict[str, Any] = {"name": name, "minimum_budget": low, "minimum_seconds": time.perf_counter() - started}
     problem = PlanningProblem(profile, ws, **kw)
     plans = hand_plans(problem)
@@ -88,7 +91,7 @@ def run_case(
     budgets = [int(low + (high - low) * f) for f in (0.1, 0.3, 0.5, 0.7, 0.9)]
     if detailed:
         budgets += [low, high, low - 1]
-    record["solves"] = [solve_record(profile, ws, b, kw, detailed) for b in budgets]
+    record["solves"] = [solve_record(profile, ws, b, {**kw, **chosen}, detailed) for b in budgets]
     if detailed:
         record["hand"] = {k: prediction_record(profile, p, ws, config) for k, p in plans.items()}
     return record
@@ -101,6 +104,8 @@ def solve_record(profile: ModelProfile, ws: int, budget: int, kw: dict[str, Any]
         plan = solve(profile, budget, ws, **kw)
     except InfeasibleBudgetError as e:
         entry["infeasible"] = [str(e), e.minimum, e.consumers]
+    except SolverError as e:  # no plan within the time limit: recorded, and the record goes on
+        entry["solver_error"] = str(e).split(" within ")[0]
     else:
         entry["decisions"] = plan.to_dict()["decisions"]
         entry["info"] = {k: v for k, v in plan.info.items() if k not in TIMINGS}
@@ -110,24 +115,30 @@ def solve_record(profile: ModelProfile, ws: int, budget: int, kw: dict[str, Any]
     return entry
 
 
-def cases(profiles: Path | None, big: bool) -> Iterator[dict[str, Any]]:
+def cases(profiles: Path | None, big: bool, solver: str = "cbc") -> Iterator[dict[str, Any]]:
+    for case in _cases(profiles, big):
+        name, profile, ws, kw = case
+        yield run_case(name, profile, ws, solver=solver, **kw)
+
+
+def _cases(profiles: Path | None, big: bool) -> Iterator[tuple[str, ModelProfile, int, dict[str, Any]]]:
     shapes = ((2, 64, 2, True), (4, 128, 2, False), (10, 64, 2, True), (6, 64, 4, True), (24, 128, 8, True))
     for depth, width, ws, tied in (*shapes, (12, 256, 2, False)):
         profile = gpt_profile(depth=depth, width=width, world_size=ws, tied=tied, tokens=256)
         for release in (None, False, True):
             config = None if release is None else CostModelConfig(release_all_gather_after_forward=release)
-            yield run_case(f"gpt d{depth} w{width} ws{ws} tied={tied} release={release}", profile, ws, config=config)
+            yield f"gpt d{depth} w{width} ws{ws} tied={tied} release={release}", profile, ws, {"config": config}
     profile = gpt_profile(depth=6, width=64)
-    yield run_case("gpt d6 full_shard/no_shard", profile, 2, modes=("full_shard", "no_shard"))
-    yield run_case("gpt d6 shard_grad_op/no_shard", profile, 2, modes=("shard_grad_op", "no_shard"), splits=(1, 2))
-    yield run_case("gpt d6 no split", profile, 2, splits=(1,))
+    yield "gpt d6 full_shard/no_shard", profile, 2, {"modes": ("full_shard", "no_shard")}
+    yield "gpt d6 shard_grad_op/no_shard", profile, 2, {"modes": ("shard_grad_op", "no_shard"), "splits": (1, 2)}
+    yield "gpt d6 no split", profile, 2, {"splits": (1,)}
     for name in EXAMPLES if profiles else ():
         assert profiles is not None
         for ws in (2, 4):
-            yield run_case(f"{name} ws{ws}", ModelProfile.load(profiles / name), ws)
+            yield f"{name} ws{ws}", ModelProfile.load(profiles / name), ws, {}
     for units in (300, 2000) if big else ():
         profile = gpt_profile(depth=max((units - 2) // 4, 1), width=256, tokens=256)
-        yield run_case(f"{units} planning units", profile, 2, detailed=False)
+        yield f"{units} planning units", profile, 2, {"detailed": False}
 
 
 def make_profiles(out: Path) -> None:
@@ -173,10 +184,35 @@ def compare(old_path: Path, new_path: Path) -> int:
         differ += not same
         seconds = [r["minimum_seconds"] + sum(s["seconds"] for s in r["solves"]) for r in (a, b)]
         print(f"{'same   ' if same else 'DIFFERS'} {a['name']}: {seconds[0]:.2f} s -> {seconds[1]:.2f} s")
+        if not same:
+            _print_changes(a, b)
     solves = sum(len(r["solves"]) for r in old)
     hand = sum(len(r.get("hand", {})) for r in old)
     print(f"{len(old)} cases, {solves} solves, {hand} hand-plan predictions: {differ} cases differ")
     return 1 if differ else 0
+
+
+def _print_changes(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Per solve of a case that differs: the plan's predicted step time before and after (a different plan of the
+    same step time within the gap is an equally good optimum), or what else changed."""
+    if a["minimum_budget"] != b["minimum_budget"]:
+        print(f"    minimum budget {a['minimum_budget']} -> {b['minimum_budget']}")
+    for x, y in zip(a["solves"], b["solves"], strict=True):
+        if strip_timings(x) == strip_timings(y):
+            continue
+        if "info" in x and "info" in y:
+            t0, t1 = x["info"]["predicted_step_seconds"], y["info"]["predicted_step_seconds"]
+            what = "same plan, other report" if x["decisions"] == y["decisions"] else "other plan"
+            print(
+                f"    budget {x['budget']}: {what}: step {t0 * 1e3:.4f} -> {t1 * 1e3:.4f} ms ({(t1 / t0 - 1):+.2e}), "
+                f"{x['info']['status']} -> {y['info']['status']}"
+            )
+        else:
+            print(f"    budget {x['budget']}: {_outcome(x)} -> {_outcome(y)}")
+
+
+def _outcome(entry: dict[str, Any]) -> str:
+    return next((k for k in ("infeasible", "solver_error") if k in entry), "solved")
 
 
 def main() -> None:
@@ -187,6 +223,7 @@ def main() -> None:
     record.add_argument("out", type=Path)
     record.add_argument("--profiles", type=Path, help="directory written by the `profile` command")
     record.add_argument("--big", action="store_true", help="add 300 and 2,000 planning units")
+    record.add_argument("--solver", default="cbc", choices=("cbc", "highs"), help="the ILP's solver")
     diff = sub.add_parser("compare")
     diff.add_argument("old", type=Path)
     diff.add_argument("new", type=Path)
@@ -195,7 +232,7 @@ def main() -> None:
         make_profiles(args.dir)
     elif args.command == "record":
         records = []
-        for r in cases(args.profiles, args.big):
+        for r in cases(args.profiles, args.big, args.solver):
             print(f"{r['name']}: {r['minimum_seconds'] + sum(s['seconds'] for s in r['solves']):.2f} s", flush=True)
             records.append(r)
         args.out.write_text(json.dumps(records, indent=1))

@@ -233,6 +233,41 @@ def fsdp_predictions(run: PublishedRun) -> tuple[list[tuple[str, Prediction, Pla
     return [(label, predict(profile, plan, figures.topology), plan) for label, plan in variants], traced
 
 
+def osdp_objective_and_prediction(run: PublishedRun, nodes: int) -> tuple[Plan, float, float, float]:
+    """``osdp plan``'s own OSDP solve for ``run`` on ``nodes`` nodes (the dry run's estimated profile, the GPU's
+    memory less the CUDA reserve, the planner's headroom): the plan, the solver's objective for it, the timeline's
+    prediction of it and plain FSDP's predicted step, in seconds (issue 21: the first two are one figure)."""
+    from lightning_osdp.cli.output import Output
+    from lightning_osdp.cli.parsers import add_plan_parser
+    from lightning_osdp.cli.plan import _precision_plugin, _solve, resolve
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    gpus = str(run.world_size // nodes)
+    args = ["plan", "--init-args", json.dumps(run.shape), "--model", "examples/llama/llama.py:LlamaModule"]
+    args += ["--nodes", str(nodes), "--gpus-per-node", gpus, "--hardware", run.hardware, "--precision", "bf16-fsdp"]
+    dry = resolve(parser.parse_args([*args, "--batch-size", str(run.batch_size)]), Output(quiet=True))
+    profile = estimated_profile(
+        dry.model,
+        dry.batch.make(run.batch_size),
+        dry.figures,
+        step=dry.batch.step,
+        optimizer=dry.optimizer,
+        step_context=_precision_plugin(dry.precision).train_step_context,
+        mixed_precision=BF16_POLICY,
+    )
+    profile = dataclasses.replace(
+        profile,
+        world_size=run.world_size,
+        nodes=dry.figures.nodes,
+        inter_node_collectives=dict(dry.figures.inter_node_collectives),
+    )
+    plan = _solve(dry, profile)
+    assert plan.report is not None
+    fsdp = predict(profile, Plan.uniform(dry.model, "full_shard"), dry.topology)
+    return plan, plan.report.ilp_step_seconds, plan.report.predicted_step_seconds, fsdp.step_seconds
+
+
 def _mfu_text(value: float | tuple[float, float] | None) -> str:
     if value is None:
         return "-"
@@ -312,6 +347,15 @@ def main() -> None:
             f"\n{r['run']} ({r['modelled_as']}): step {r['step_ms']:,.1f} ms ({parts}); communication "
             f"{r['communication_ms']:,.1f} ms, exposed by cause: {causes}; peak at {r['peak_at']!r}: {r['peak_parts']}"
         )
+    for run in RUNS:
+        if run.name == "Llama 3 8B, 64 x A100 80GB" and (not args.only or args.only in run.name):
+            plan, objective, predicted, fsdp = osdp_objective_and_prediction(run, nodes=8)
+            print(
+                f"\n{run.name}, batch {run.batch_size}, OSDP plan {plan.summary()}: solver objective "
+                f"{objective * 1e3:,.3f} ms, timeline prediction {predicted * 1e3:,.3f} ms "
+                f"({(objective / predicted - 1) * 100:+.3f}%); plain FSDP {fsdp * 1e3:,.1f} ms "
+                f"(OSDP {fsdp / predicted:.3f}x its throughput)"
+            )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -105,7 +105,7 @@ def check_precision_for_policy(policy: MixedPrecisionPolicy | None, precision: s
 
 
 def check_memory_budget(value: Any) -> int | None:
-    """``None`` (the device's capacity) or bytes between 1 MiB and 1 EiB (see
+    """``None`` (the device's capacity) or bytes between 4 KiB and 1 EiB (see
     :func:`~lightning_osdp.budget.check_memory_budget`, and its [Note: how a budget is spelled])."""
     if value is None:
         return None
@@ -180,6 +180,16 @@ def check_memory_steps(value: Any) -> int:
 def check_solver_time_limit(value: Any) -> float:
     """A positive, finite number of seconds."""
     return _seconds("solver_time_limit", value)
+
+
+def check_solver(value: Any) -> str:
+    """One of ``lightning_osdp.solver.ilp.SOLVERS`` that is installed (``"highs"`` needs ``highspy``)."""
+    from lightning_osdp.solver.ilp import check_solver
+
+    try:
+        return check_solver(value)
+    except ValueError as err:
+        raise ValueError(f"OSDPStrategy(solver=...): {err}") from None
 
 
 def check_memory_headroom(value: Any) -> float:

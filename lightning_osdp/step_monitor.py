@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_osdp.budget import format_bytes
 from lightning_osdp.memory import LiveStorageTracker
 
 __all__ = ["SetupMeter", "StepMeasurement", "StepMonitor"]
@@ -143,3 +145,12 @@ class SetupMeter:
                 yield
             finally:
                 self.peak = tracker.stop()
+
+    def warn_over(self, budget: int | None) -> None:
+        """A warning when the measured peak of setup went over ``budget`` (rank 0 says it)."""
+        if self.peak is not None and budget is not None and self.peak > budget:
+            rank_zero_warn(
+                f"OSDP: setup's peak memory on rank 0, {format_bytes(self.peak)}, is over the memory budget of "
+                f"{format_bytes(budget)}: build the model on the meta device (trainer.init_module(empty_init=True)) so "
+                "that only its shards are ever allocated"
+            )

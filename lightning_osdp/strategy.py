@@ -26,10 +26,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -39,25 +39,24 @@ from lightning_osdp import options, preemption
 from lightning_osdp._compat import (
     DDPForwardRedirection,
     fit_ckpt_path,
-    fit_train_dataloader,
     init_dist_connection,
     optimizers_to_device,
     sync_ddp_if_available,
 )
-from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan, no_gradient_sync
-from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters, still_uninitialized
+from lightning_osdp.apply import OSDPModule, ReplicatedModule, applied_root, apply_plan, no_gradient_sync
+from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
 from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
 from lightning_osdp.budget import device_memory_capacity, format_bytes
-from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.monitor import OSDPMonitor
-from lightning_osdp.plan import MODES, Plan, PlanError
+from lightning_osdp.plan import MODES, Plan
+from lightning_osdp.planning import PlannerOptions, RunPlanner
 from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.profiling.collectives import NodeGroups
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import SetupMeter, StepMonitor
-from lightning_osdp.topology import Topology, TopologyError
+from lightning_osdp.topology import Meshes, Topology, TopologyError, build_meshes
 from lightning_osdp.watchdog import _OSDPSubprocessScriptLauncher
 
 if TYPE_CHECKING:
@@ -65,12 +64,10 @@ if TYPE_CHECKING:
 
     from lightning_osdp._compat import StrategyRegistry
     from lightning_osdp.cost_model import PredictionCheck
-    from lightning_osdp.solver.resolve import Resolution
 
 __all__ = ["OSDPStrategy"]
 
 _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_ROOT_ATTRIBUTE = "_osdp_root"
 
 # [Note: mixed precision]
 # Lightning's `bf16-mixed` is autocast over fp32 parameters: a sharded unit gathers fp32, and autocast then makes a
@@ -98,65 +95,33 @@ _ROOT_ATTRIBUTE = "_osdp_root"
 class OSDPStrategy(ParallelStrategy):
     """Optimal Sharded Data Parallel: each module replicated (DDP) or sharded (ZeRO-2/ZeRO-3), as a plan says.
 
+    ``docs/configuration.md`` says what each argument does, its default and the values it takes; in short:
+
     Args:
-        memory_budget: per-device memory the plan must fit, in bytes (a whole number, ``4e9`` included) or as a
-            string (``"512MiB"``, ``"6GiB"``, ``"8GB"``). ``None`` means the device's capacity (see
-            :func:`~lightning_osdp.budget.device_memory_capacity`).
-        plan: a :class:`~lightning_osdp.Plan`, or the path (``str`` or ``os.PathLike``) of a plan file; applied
-            as is when given. Without one the strategy profiles the model on the first training batch and solves
-            for the fastest plan under ``memory_budget`` (a resumed run reuses its checkpoint's plan when the
-            world size and the requested budget are unchanged). Annotated ``Any`` so that LightningCLI hands a
-            YAML path through unchanged: jsonargparse would otherwise read the file as the ``Plan`` dataclass.
-        process_group_backend: ``None`` (``"gloo"`` on CPU, ``"nccl"`` on CUDA), a backend ``torch.distributed``
-            knows and this torch build has, or per-device backends such as ``"cpu:gloo,cuda:nccl"``.
-        timeout: the process-group timeout, a ``timedelta`` or a number of seconds (YAML: ``300`` or
-            ``"0:05:00"``): how long any collective waits for a rank before the run fails. ``None`` is 5 minutes
-            (longer only when ``solver_time_limit`` is above 60 s); see ``docs/troubleshooting.md`` for why, and when
-            to raise it.
-        start_method: ``"popen"`` (Lightning's subprocess launcher, the default), ``"spawn"``, ``"fork"`` or
-            ``"forkserver"``. Under ``"popen"`` the ranks it starts end when rank 0 ends, and rank 0 ends with an
-            error when one of them fails.
-        memory_steps: on CPU, how many of the first optimizer steps are run under the live-storage tracker
-            that measures peak memory (it costs Python time per operator); 0 measures none. CUDA measures every
-            step.
-        modes: the modes the planner may choose from: ``("no_shard",)`` is DDP, ``("full_shard",)`` FSDP,
-            ``("shard_grad_op",)`` ZeRO-2, ``("hybrid_shard",)`` HSDP (sharded within ``shard_group_size`` ranks,
-            replicated across such groups; on one node of one group it is ``full_shard``).
+        memory_budget: per-device bytes the plan must fit (``4e9``, ``"6GiB"``, ``"8GB"``); ``None``: the device's.
+        plan: a :class:`~lightning_osdp.Plan` or a plan file, applied as is; without one the model is profiled on the
+            first training batch and the fastest plan under the budget is solved (a resumed run reuses its
+            checkpoint's plan when the world and the budget are unchanged). ``Any`` so that LightningCLI passes a
+            YAML path through (jsonargparse would read the file as the ``Plan`` dataclass).
+        process_group_backend: ``None`` (``"gloo"`` on CPU, ``"nccl"`` on CUDA) or any backend of this torch build.
+        timeout: how long a collective waits for a rank (a ``timedelta`` or seconds); ``None``: 5 minutes.
+        start_method: ``"popen"`` (Lightning's subprocess launcher), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        memory_steps: on CPU, the first optimizer steps measured by the live-storage tracker (0: none).
+        state_dict_type: ``"sharded"`` (DCP directories, every rank writes) or ``"full"`` (one file from rank 0).
+        modes: the modes the planner may choose (``("full_shard",)`` is FSDP, ``("no_shard",)`` DDP).
         max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
-        activation_checkpointing: whether the planner may recompute a unit's activations in backward instead of
-            keeping them (non-reentrant ``torch.utils.checkpoint`` around the unit's module, inside its FSDP2 unit):
-            ``"auto"`` (default) chooses per unit among none, selective and full recomputation, the fastest way to fit
-            the budget; ``"selective"`` (per operator: matrix-product and attention outputs kept) or ``"full"``
-            (``True``) on every unit that saves activations; ``False`` never.
-        plan_out: the file the chosen plan is saved to (with the profile beside it as ``*.profile.json``); default
-            ``osdp_plan.json`` in the logger's directory.
-        solver_time_limit: seconds the ILP solver may take (a positive number); the plan records whether it is
-            proven optimal.
-        memory_headroom: the fraction of the budget the planner keeps free: it plans against
-            ``memory_budget * (1 - memory_headroom)``, exactly as ``osdp plan --memory`` does (both call
-            :func:`~lightning_osdp.solver.plan_model`; see ``lightning_osdp/solver/policy.py`` [Note: headroom]).
-        state_dict_type: ``"sharded"`` (default): checkpoints are directories that every rank writes its shards
-            into, in parallel (torch.distributed.checkpoint); ``"full"``: one consolidated file written by rank 0.
-            Either loads under any plan and world size (see ``docs/checkpointing.md``).
-        mixed_precision: ``None`` (default: Lightning's precision plugin alone), ``"bf16"`` (FSDP2's
-            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: sharded units gather
-            their parameters in bf16 and reduce-scatter gradients in fp32, as torchtitan trains) or a
-            ``torch.distributed.fsdp.MixedPrecisionPolicy``. A policy that casts parameters goes with the autocast
-            precision of its dtype, ``Trainer(precision="bf16-mixed")`` for bf16; see [Note: mixed precision].
-        shard_group_size: the ranks a ``hybrid_shard`` unit shards its parameters over (replicated across such
-            groups); ``None``: the ranks of one node (``devices``). It must divide the world size and hold whole nodes
-            or fit a whole number of times in one (checked when the Trainer is built; see
-            ``lightning_osdp/topology.py``).
-        find_unused_parameters: DDP's option of the same name (Lightning's ``DDPStrategy(find_unused_parameters=...)``)
-            for the replicated units: needed when a backward leaves some of their parameters without a gradient, as
-            ``toggle_optimizer`` does in manual optimization with several optimizers; the sharded units need nothing.
-            ``None`` (default): ``True`` for a LightningModule with ``automatic_optimization = False``, else ``False``.
-        pretrained: a full checkpoint to start from, read into the shards once the plan is applied, each rank reading
-            only what its plan keeps: a ``torch.save`` state dict, a Lightning ``.ckpt`` (``osdp consolidate``'s
-            output), a ``.safetensors`` file or a Hugging Face folder of them (``docs/large-models.md``). Not read when
-            the run resumes from a checkpoint (``fit(ckpt_path=...)``), which holds the trained weights.
-        pretrained_prefix: the prefix of the model's names the checkpoint's keys are read under (``"model."`` for the
-            weights of ``self.model``); ``None`` finds it.
+        activation_checkpointing: ``"auto"`` (per unit: none, selective or full recomputation, where each pays),
+            ``"selective"`` or ``"full"``/``True`` (every unit with activations), ``False`` (never).
+        plan_out: where the solved plan is saved (its profile beside it); default ``osdp_plan.json`` in the log dir.
+        solver_time_limit: seconds the ILP solver may take; the plan records whether it is proven optimal.
+        solver: the ILP's solver, ``"cbc"`` (pulp's bundled CBC) or ``"highs"`` (HiGHS in process, ``highspy``).
+        memory_headroom: the fraction of the budget the planner keeps free, as ``osdp plan --memory`` does.
+        mixed_precision: ``None``, ``"bf16"`` or a ``MixedPrecisionPolicy`` for the sharded units (with the autocast
+            precision of its dtype; see [Note: mixed precision]).
+        shard_group_size: the ranks a ``hybrid_shard`` unit shards over; ``None``: one node's.
+        find_unused_parameters: DDP's option for the replicated units; ``None``: ``True`` under manual optimization.
+        pretrained: a full checkpoint read into the shards after the plan is applied (``docs/large-models.md``).
+        pretrained_prefix: the prefix of the model's names the checkpoint's keys are read under; ``None`` finds it.
 
     Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
     wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
@@ -190,6 +155,7 @@ class OSDPStrategy(ParallelStrategy):
         find_unused_parameters: bool | None = None,
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
+        solver: str = "cbc",
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
@@ -205,25 +171,26 @@ class OSDPStrategy(ParallelStrategy):
         # What the user asked for (None: the device's capacity, which drifts between runs on a CPU); a resumed run
         # reuses its checkpoint's plan when this is unchanged.
         self._requested_budget = self._memory_budget
-        self._modes = options.check_modes(modes)
-        self._max_split = options.check_max_split(max_split)
-        self._activation_checkpointing = options.check_activation_checkpointing(activation_checkpointing)
+        self._planner = PlannerOptions.checked(
+            modes=modes,
+            max_split=max_split,
+            activation_checkpointing=activation_checkpointing,
+            solver_time_limit=solver_time_limit,
+            memory_headroom=memory_headroom,
+            solver=solver,
+        )
         self._plan_out = options.check_plan_out(plan_out)
-        self._solver_time_limit = options.check_solver_time_limit(solver_time_limit)
-        self._memory_headroom = options.check_memory_headroom(memory_headroom)
         self._profile: ModelProfile | None = None
         # Where this run saved the profile beside its plan (rank 0), to record a measured correction in.
         self._profile_file: Path | None = None
         self._plan: Plan | None = options.check_plan(plan)
         self._process_group_backend = options.check_process_group_backend(process_group_backend)
         self._timeout = options.check_timeout(
-            timeout, solver_time_limit=self._solver_time_limit, planning=self._plan is None
+            timeout, solver_time_limit=self._planner.time_limit, planning=self._plan is None
         )
         self._start_method = options.check_start_method(start_method)
         self._shard_group_size = options.check_shard_group_size(shard_group_size)
-        self._device_mesh: DeviceMesh | None = None
-        self._hybrid_mesh: DeviceMesh | None = None
-        self._node_mesh: DeviceMesh | None = None
+        self._meshes: Meshes | None = None
         self._memory_steps = options.check_memory_steps(memory_steps)
         self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
         self._find_unused_parameters = options.check_find_unused_parameters(find_unused_parameters)
@@ -249,15 +216,20 @@ class OSDPStrategy(ParallelStrategy):
         return self._memory_budget
 
     @property
+    def planner_options(self) -> PlannerOptions:
+        """The planner's options (modes, split, recomputation, solver limit, headroom) that :meth:`plan_for` uses."""
+        return self._planner
+
+    @property
     def memory_headroom(self) -> float:
         """The fraction of the budget the planner keeps free."""
-        return self._memory_headroom
+        return self._planner.headroom
 
     @property
     def activation_checkpointing(self) -> bool | Literal["auto", "selective", "full"]:
         """Whether the planner may recompute units' activations: ``"auto"``, ``"selective"``, ``"full"``/``True`` or
         ``False``."""
-        return self._activation_checkpointing
+        return self._planner.activation_checkpointing
 
     @property
     def mixed_precision(self) -> MixedPrecisionPolicy | None:
@@ -313,16 +285,18 @@ class OSDPStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists once the processes are initialised")
-        return self._device_mesh
+        """The 1-D mesh over every rank."""
+        return self._mesh().world
 
     @property
     def hybrid_mesh(self) -> DeviceMesh:
         """The 2-D mesh ``(replicate, shard)`` of ``hybrid_shard`` units (see ``lightning_osdp/topology.py``)."""
-        if self._hybrid_mesh is None:
-            raise RuntimeError("the hybrid mesh exists once the processes are initialised")
-        return self._hybrid_mesh
+        return self._mesh().hybrid
+
+    def _mesh(self) -> Meshes:
+        if self._meshes is None:
+            raise RuntimeError("the device meshes exist once the processes are initialised")
+        return self._meshes
 
     @property
     def topology(self) -> Topology:
@@ -412,28 +386,8 @@ class OSDPStrategy(ParallelStrategy):
         init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        device = self.root_device.type
-        self._device_mesh = init_device_mesh(device, (self.world_size,), mesh_dim_names=("dp",))
-        # Ranks are numbered node by node, and a mesh lays consecutive ranks along its last dim: rows are shard groups
-        # (nodes), columns replicate groups (one rank per node). See lightning_osdp/topology.py.
-        topology = self.topology
-        self._hybrid_mesh = init_device_mesh(
-            device, (topology.replicas, topology.shard_size), mesh_dim_names=("replicate", "shard")
-        )
-        if topology.nodes > 1:
-            self._node_mesh = (
-                self._hybrid_mesh
-                if topology.shard_size == topology.ranks_per_node
-                else init_device_mesh(
-                    device, (topology.nodes, topology.ranks_per_node), mesh_dim_names=("replicate", "shard")
-                )
-            )
-
-    def _node_groups(self) -> NodeGroups | None:
-        """This rank's groups within its node and across nodes, where the profile measures the two levels."""
-        if self._node_mesh is None:
-            return None
-        return NodeGroups(self.num_nodes, self._node_mesh.get_group("shard"), self._node_mesh.get_group("replicate"))
+        # Ranks numbered node by node: rows of the hybrid mesh are shard groups (lightning_osdp/topology.py).
+        self._meshes = build_meshes(self.root_device.type, self.topology)
 
     def set_world_ranks(self) -> None:
         # Lightning calls this when the Trainer is built, once `num_nodes` and `devices` are known: the earliest moment
@@ -452,12 +406,7 @@ class OSDPStrategy(ParallelStrategy):
         with meter.measuring(self.model):
             self._setup(trainer)
         self._setup_peak = meter.peak
-        if self._setup_peak is not None and self._memory_budget is not None and self._setup_peak > self._memory_budget:
-            rank_zero_warn(
-                f"OSDP: setup's peak memory on rank 0, {format_bytes(self._setup_peak)}, is over the memory budget of "
-                f"{format_bytes(self._memory_budget)}: build the model on the meta device "
-                "(trainer.init_module(empty_init=True)) so that only its shards are ever allocated"
-            )
+        meter.warn_over(self._memory_budget)
 
     def _setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None
@@ -466,17 +415,11 @@ class OSDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        existing: OSDPModule | ReplicatedModule | None = getattr(module, _ROOT_ATTRIBUTE, None)
+        # A module sharded by an earlier `fit` (this Trainer's, whose `validate/test` re-connects the bare
+        # LightningModule, or another Trainer's) keeps its plan: FSDP2 applies once per module.
+        existing = applied_root(module, self._plan)
         if existing is not None:
-            # The module was sharded by an earlier `fit` (this Trainer's, whose `validate/test` re-connects the bare
-            # LightningModule, or another Trainer's): FSDP2 applies once per module, so the plan stays.
-            if self._plan is not None and self._plan.decisions != existing.plan.decisions:
-                raise PlanError(
-                    "this LightningModule is already sharded under another plan (by an earlier fit); FSDP2 shards a "
-                    "module once: build a fresh instance (and load a checkpoint into it) to train under a new plan"
-                )
             self._root, self._plan = existing, existing.plan
-            self.model = existing
         else:
             if self._plan is not None:
                 self._plan.validate(module)  # a given plan that does not fit fails before anything is changed
@@ -487,27 +430,28 @@ class OSDPStrategy(ParallelStrategy):
             # A model built on meta is materialized by the executor once sharded; one built for real moves whole, as
             # under Lightning's DDP (see docs/large-models.md).
             self.model_to_device()
-            resolution = self._resolve_plan(trainer)
-            plan, self._profile = resolution.plan, resolution.profile
+            planner = self._run_planner()
+            resolution = planner.resolve(trainer, module, self._plan, self.batch_to_device)
+            self._plan, self._profile, self._profile_file = resolution.plan, resolution.profile, planner.profile_file
+            find_unused = self._find_unused_parameters
             self._root = apply_plan(
                 module,
-                plan,
+                self._plan,
                 mesh=self.device_mesh,
                 hybrid_mesh=self.hybrid_mesh,
                 mp_policy=self._mp_policy,
-                find_unused_parameters=(
-                    not module.automatic_optimization
-                    if self._find_unused_parameters is None
-                    else self._find_unused_parameters
-                ),
+                find_unused_parameters=not module.automatic_optimization if find_unused is None else find_unused,
                 device=self.root_device,
             )
-            self._initialize(module, self._root, resuming=fit_ckpt_path(trainer) is not None)
-            # A plain attribute, not a submodule: the root holds the module, the module must not hold the root.
-            object.__setattr__(module, _ROOT_ATTRIBUTE, self._root)
-            self.model = self._root
-            self._plan = plan
-            self._report_plan(plan)
+            osdp_checkpoint.initialize_weights(
+                module,
+                self._root.uninitialized,
+                pretrained=self._pretrained,
+                prefix=self._pretrained_prefix,
+                resuming=fit_ckpt_path(trainer) is not None,
+            )
+            self._report_plan(self._plan)
+        self.model = self._root
         self._attach_monitor(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -524,54 +468,26 @@ class OSDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_plan(self, trainer: pl.Trainer) -> Resolution:
-        """The plan given, else the resumed checkpoint's, else profile and solve
-        (:func:`~lightning_osdp.solver.resolve.resolve_plan`); a plan solved here is printed and saved."""
-        from lightning_osdp.solver.resolve import resolve_plan
-
-        resolution = resolve_plan(
-            given=self._plan,
-            resumed=self._resume_choice(),
-            topology=self.topology,
-            fits=self._fits,
-            solve=lambda profile: from_rank_zero(lambda: self.plan_for(profile), what="planning"),
-            profile=lambda: self._profile_model(trainer),
-        )
-        for message in resolution.messages:
-            rank_zero_info(f"OSDP: {message}")
-        if resolution.solved_here:
-            self._save_plan(trainer, resolution.plan, resolution.profile)
-        return resolution
-
-    def _fits(self, profile: ModelProfile, plan: Plan) -> bool:
-        from lightning_osdp.cost_model import predict
-        from lightning_osdp.solver import planned_budget
-
+    def _run_planner(self) -> RunPlanner:
         assert self._memory_budget is not None
-        budget = planned_budget(self._memory_budget, self._memory_headroom)
-        return predict(profile, plan, self.topology).peak_bytes <= budget
-
-    def _initialize(self, module: pl.LightningModule, root: OSDPModule | ReplicatedModule, *, resuming: bool) -> None:
-        """Pretrained weights into the shards (unless resuming: the checkpoint holds the weights), and a warning for
-        what neither a module's ``reset_parameters()`` nor the weights initialized (docs/large-models.md)."""
-        missing: set[str] | None = None
-        if self._pretrained is not None and not resuming:
-            loaded = osdp_checkpoint.load_pretrained(
-                module,
-                self._pretrained,
-                prefix=self._pretrained_prefix,
-                strict=bool(getattr(module, "strict_loading", True)),
-            )
-            rank_zero_info(f"OSDP: {loaded.describe()}")
-            missing = set(loaded.missing)
-        unfilled = still_uninitialized(module, root.uninitialized, missing) if not resuming else []
-        if unfilled:
-            rank_zero_warn(
-                "OSDP: the model was built on the meta device and these modules have parameters or buffers that no "
-                f"reset_parameters() initialized: {', '.join(unfilled)}. Their memory is uninitialized: define "
-                "reset_parameters() on them, init_weights() on the model, or start from pretrained weights "
-                "(OSDPStrategy(pretrained=...)); see docs/large-models.md"
-            )
+        nodes = self._mesh().nodes
+        return RunPlanner(
+            self._planner,
+            budget=self._memory_budget,
+            requested_budget=self._requested_budget,
+            topology=self.topology,
+            world_size=self.world_size,
+            device=self.root_device,
+            mp_policy=self._mp_policy,
+            step_context=self.precision_plugin.train_step_context,
+            node_groups=(
+                None
+                if nodes is None
+                else NodeGroups(self.num_nodes, nodes.get_group("shard"), nodes.get_group("replicate"))
+            ),
+            plan_out=self._plan_out,
+            is_global_zero=self.is_global_zero,
+        )
 
     def _attach_monitor(self, trainer: pl.Trainer) -> None:
         """The run's :class:`~lightning_osdp.monitor.OSDPMonitor`, among the Trainer's callbacks before its checkpoint
@@ -592,97 +508,16 @@ class OSDPStrategy(ParallelStrategy):
             first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
             callbacks.insert(first_checkpoint, self._monitor)
 
-    def _resume_choice(self) -> osdp_checkpoint.PlanChoice | None:
-        assert self.lightning_module is not None
-        path = fit_ckpt_path(self.lightning_module.trainer)
-        if path is None or not Path(path).exists():
-            return None
-        saved = osdp_checkpoint.saved_plan(path)
-        return osdp_checkpoint.resume_plan(
-            saved, world_size=self.world_size, memory_budget=self._requested_budget, module=self.lightning_module
-        )
-
-    def _profile_model(self, trainer: pl.Trainer) -> ModelProfile:
-        """Profile the LightningModule on the first training batch (a collective: every rank profiles its replica,
-        rank 0's figures are broadcast so that all plan alike)."""
-        from lightning_osdp.profiling import profile as profile_model
-        from lightning_osdp.profiling import profile_with_policy
-
-        assert self.lightning_module is not None
-        batch, source, step = self._representative_batch(trainer)
-        kwargs: dict[str, Any] = {
-            "device": self.root_device,
-            "step": step,
-            "batch_source": source,
-            "step_context": self.precision_plugin.train_step_context,
-            # A copy of the model is measured only if its step fits the budget beside the model (else block by block).
-            "available_memory": self._memory_budget,
-            "node_groups": self._node_groups(),
-        }
-        if self._mp_policy is not None:
-            # As the policy runs the step: parameters in its dtype (lightning_osdp/profiling/mixed_precision.py).
-            return profile_with_policy(self.lightning_module, batch, self._mp_policy, **kwargs)
-        return profile_model(self.lightning_module, batch, **kwargs)
-
-    def _save_plan(self, trainer: pl.Trainer, plan: Plan, profile: ModelProfile | None) -> None:
-        """Rank 0 prints the plan solved here and saves it, with its profile beside it."""
-        from lightning_osdp.cost_model import predict
-        from lightning_osdp.solver import format_plan
-
-        # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
-        out = (
-            Path(self._plan_out)
-            if self._plan_out
-            else Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
-        )
-        if not self.is_global_zero or profile is None:
-            return
-        print(format_plan(plan, predict(profile, plan, self.topology), budget=self._memory_budget))
-        plan.save(out)
-        self._profile_file = profile.save(out.with_name(out.stem + ".profile.json"))
-        rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
-
     def plan_for(self, profile: ModelProfile, world_size: int | Topology | None = None) -> Plan:
         """The plan this strategy chooses for ``profile`` under its memory budget and planner options, on
         ``world_size`` ranks or a :class:`~lightning_osdp.topology.Topology` (default: this run's nodes and shard
         groups): :func:`~lightning_osdp.solver.plan_model`, what ``setup`` runs on rank 0 after profiling and what
         ``osdp plan`` runs with the same options."""
-        from lightning_osdp.solver import plan_model
-
         if self._memory_budget is None:
             raise ValueError(
                 "plan_for needs a memory budget: give OSDPStrategy(memory_budget=...), or call it after setup"
             )
-        return plan_model(
-            profile,
-            self._memory_budget,
-            world_size or self.topology,
-            headroom=self._memory_headroom,
-            modes=self._modes,
-            max_split=self._max_split,
-            recompute=self._activation_checkpointing,
-            time_limit=self._solver_time_limit,
-        )
-
-    def _representative_batch(self, trainer: pl.Trainer) -> tuple[Any, str, str]:
-        """The batch profiling runs: the first batch of the fit's train dataloader, else ``example_input_array``
-        through ``forward`` (see ``lightning_osdp.profiling`` [Note: the representative batch])."""
-        module = self.lightning_module
-        assert module is not None
-        if trainer.state.fn == TrainerFn.FITTING:
-            loader = fit_train_dataloader(trainer)
-            if loader is not None:
-                # A loader's iterator draws its base seed from the global RNG: forked, so that the run's stream (the
-                # dropout masks, a meta model's initialization) is the one it would be without profiling.
-                with torch.random.fork_rng(devices=[]):
-                    batch = next(iter(loader))
-                return self.batch_to_device(batch), "first batch of the train dataloader", "training_step"
-        if module.example_input_array is not None:
-            return self.batch_to_device(module.example_input_array), "example_input_array", "forward"
-        raise RuntimeError(
-            "OSDP plans from a representative batch: this run has no train dataloader and the LightningModule "
-            "no `example_input_array`. Set one, or pass a plan with OSDPStrategy(plan=...)."
-        )
+        return self._planner.plan(profile, self._memory_budget, world_size or self.topology)
 
     @rank_zero_only
     def _report_plan(self, plan: Plan) -> None:

@@ -21,9 +21,12 @@ another did not, and the groups of one kind would not run at the same speed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CommGroup", "Topology", "TopologyError"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["CommGroup", "Meshes", "Topology", "TopologyError", "build_meshes"]
 
 
 class TopologyError(ValueError):
@@ -169,3 +172,36 @@ class Topology:
     def from_dict(cls, data: dict[str, Any]) -> Topology:
         """The inverse of :meth:`to_dict`."""
         return cls(int(data["nodes"]), int(data["ranks_per_node"]), data.get("shard_group_size"))
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The device meshes of a run laid out as [Note: the groups] says.
+
+    Attributes:
+        world: the 1-D mesh ``("dp",)`` over every rank (``full_shard``, ``shard_grad_op``, DDP).
+        hybrid: the 2-D mesh ``("replicate", "shard")`` of ``hybrid_shard`` units (rows are shard groups).
+        nodes: on several nodes, the 2-D mesh whose rows are the nodes (the hybrid mesh itself when a shard group is a
+            node), where the profile measures the two levels of the network; ``None`` on one node.
+    """
+
+    world: DeviceMesh
+    hybrid: DeviceMesh
+    nodes: DeviceMesh | None
+
+
+def build_meshes(device_type: str, topology: Topology) -> Meshes:
+    """The run's meshes (a collective: every rank builds the same meshes once its process group is up)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = init_device_mesh(device_type, (topology.world_size,), mesh_dim_names=("dp",))
+    names = ("replicate", "shard")
+    hybrid = init_device_mesh(device_type, (topology.replicas, topology.shard_size), mesh_dim_names=names)
+    nodes: DeviceMesh | None = None
+    if topology.nodes > 1:
+        nodes = (
+            hybrid
+            if topology.shard_size == topology.ranks_per_node
+            else init_device_mesh(device_type, (topology.nodes, topology.ranks_per_node), mesh_dim_names=names)
+        )
+    return Meshes(world, hybrid, nodes)

@@ -314,3 +314,9 @@ def gpt_step(
     if between is not None:
         between()
     optimizer.step()
+
+
+def step_over_budget(message: str) -> bool:
+    """Whether a warning is the prediction check's that a training step went over the budget (not setup's, which a
+    model built whole before sharding gives at budgets below its full size)."""
+    return "over the memory budget" in message and "setup's peak" not in message

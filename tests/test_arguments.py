@@ -63,6 +63,7 @@ from models import TinyGPT
         ({"state_dict_type": "dcp"}, ValueError, "state_dict_type=...) must be 'sharded' or 'full', got 'dcp'"),
         ({"plan": 3}, TypeError, "plan=...) takes a lightning_osdp.Plan or a plan file path"),
         ({"plan": ""}, PlanError, "plan=...): the plan file path is empty"),
+        ({"solver": "glpk"}, ValueError, "solver=...): solver must be one of 'cbc', 'highs', got 'glpk'"),
     ],
 )
 def test_each_bad_argument_fails_at_construction_naming_it(
@@ -105,9 +106,9 @@ def test_valid_values_are_kept_in_the_strategy_s_units() -> None:
     )
     assert strategy.memory_budget == 4_000_000_000
     assert strategy.timeout == timedelta(seconds=90)
-    assert strategy._solver_time_limit == 3.0 and strategy._memory_steps == 0
+    assert strategy.planner_options.time_limit == 3.0 and strategy._memory_steps == 0
     assert strategy.process_group_backend == "gloo"
-    assert strategy._modes == ("full_shard", "no_shard")
+    assert strategy.planner_options.modes == ("full_shard", "no_shard")
     assert OSDPStrategy(memory_budget="1.5 GiB").memory_budget == 3 * 2**29
     assert OSDPStrategy(process_group_backend="cpu:gloo").process_group_backend == "cpu:gloo"
     assert OSDPStrategy(timeout=timedelta(minutes=2)).timeout == timedelta(minutes=2)
@@ -156,7 +157,7 @@ def test_lightning_cli_yaml_accepts_every_valid_value(tmp_path: Path) -> None:
     configs = {
         "numbers": (
             "memory_budget: 4e9\ntimeout: 300\nsolver_time_limit: 5\nmemory_steps: 0\nmax_split: 2\n"
-            "memory_headroom: 0.1\nmodes: [no_shard, full_shard]\nprocess_group_backend: gloo\n"
+            "memory_headroom: 0.1\nmodes: [no_shard, full_shard]\nprocess_group_backend: gloo\nsolver: highs\n"
             f"plan_out: {tmp_path / 'out' / 'plan.json'}\nstart_method: spawn\nstate_dict_type: full\n"
         ),
         "strings": f'memory_budget: "512MiB"\ntimeout: "0:02:30"\nplan: {plan_path}\n',
@@ -174,7 +175,8 @@ def test_lightning_cli_yaml_accepts_every_valid_value(tmp_path: Path) -> None:
         strategies[name] = cli.trainer.strategy
     numbers, strings = strategies["numbers"], strategies["strings"]
     assert numbers.memory_budget == 4_000_000_000 and numbers.timeout == timedelta(seconds=300)
-    assert numbers._modes == ("no_shard", "full_shard") and numbers._memory_steps == 0
+    assert numbers.planner_options.modes == ("no_shard", "full_shard") and numbers._memory_steps == 0
+    assert numbers.planner_options.solver == "highs"
     assert numbers._plan_out == tmp_path / "out" / "plan.json" and numbers.state_dict_type == "full"
     assert strings.memory_budget == 512 * 2**20 and strings.timeout == timedelta(minutes=2, seconds=30)
     assert strings.plan is not None and strings.plan.decisions == Plan.load(plan_path).decisions

@@ -58,8 +58,8 @@ def test_spellings_that_read_two_ways_are_refused_naming_the_accepted_ones(value
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("1B", r"memory budget '1B' is 1 B, less than the 1.00 MiB any model needs to train: was a unit left out"),
-        (1000, r"memory budget 1000 is 1000 B, less than the 1.00 MiB"),
+        ("1B", r"memory budget '1B' is 1 B, less than the 4.00 KiB a run accepts: was a unit left out"),
+        (1000, r"memory budget 1000 is 1000 B, less than the 4.00 KiB"),
         (1e40, r"memory budget 1e\+40 is 1e\+40 bytes, more than 1.00 EiB, which no device has"),
         ("2000PB", r"memory budget '2000PB' is 2e\+18 bytes, more than 1.00 EiB"),
     ],
@@ -73,10 +73,26 @@ def test_a_budget_no_run_can_have_is_refused_at_construction(value: object, mess
     assert OSDPStrategy(memory_budget=2**60).memory_budget == 2**60
 
 
+def test_a_budget_below_the_sharded_parameters_fails_before_profiling() -> None:
+    """A budget above the 4 KiB floor but below what any plan keeps (the parameters, sharded over every rank) is the
+    documented InfeasibleBudgetError at the start of setup, with the figure, not after profiling."""
+    from lightning_osdp import InfeasibleBudgetError
+
+    from models import TinyGPT, loaders, quiet_trainer
+
+    model = TinyGPT()
+    least = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainer = quiet_trainer(OSDPStrategy(memory_budget=least // 2, memory_headroom=0.0), devices=1, max_steps=1)
+    with pytest.raises(InfeasibleBudgetError, match="cannot hold the model's parameters even sharded") as info:
+        trainer.fit(model, loaders()[0])
+    assert info.value.minimum == least and format_bytes(least) in str(info.value)
+    assert trainer.strategy.profile is None  # nothing was profiled
+
+
 def test_osdp_plan_memory_follows_the_same_rule(capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_osdp.cli import main as osdp
 
-    for value, message in (("1B", "less than the 1.00 MiB"), ("8g", "the unit 'g' is ambiguous")):
+    for value, message in (("1B", "less than the 4.00 KiB"), ("8g", "the unit 'g' is ambiguous")):
         argv = ["plan", "--model", "models.TinyGPT", "--world-size", "2", "--hardware", "a100-80g-nvlink"]
         argv += ["--memory", value]
         assert osdp(argv) == 2

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, torchrun
+from models import step_over_budget
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -36,13 +37,14 @@ def test_a_large_head_stays_under_tight_budgets_and_a_run_over_budget_corrects_t
         r = results[name]
         assert 0 < r["peak_max"] <= r["budget"], f"{name}: measured {r['peak_max']} over the budget {r['budget']}"
         assert r["predicted"] / r["peak"] == pytest.approx(1.0, abs=0.03), name
-        assert r["correction"] == 0 and not [w for w in r["warnings"] if "over the memory budget" in w]
+        # (A model built whole before sharding holds more than these budgets at setup, and says so: not this check.)
+        assert r["correction"] == 0 and not [w for w in r["warnings"] if step_over_budget(w)]
     assert {d["mode"] for d in results["smallest"]["plan"]["decisions"].values()} == {"full_shard"}
     # A buffer the profile never saw takes the DDP plan over its budget: the first check warns with both figures and
     # records the miss in the profile, which the checkpoint saves.
     over = results["over"]
     assert over["peak"] > over["budget"] and {d["mode"] for d in over["plan"]["decisions"].values()} == {"no_shard"}
-    (warning,) = [w for w in over["warnings"] if "over the memory budget" in w]
+    (warning,) = [w for w in over["warnings"] if step_over_budget(w)]
     assert f"({over['peak']} bytes)" in warning and f"({over['budget']} bytes)" in warning
     assert over["correction"] == over["peak"] - (over["predicted"] - over["correction"]) > 0
     # The run resuming from it at the same budget plans again with the correction, and stays under the budget.
@@ -50,4 +52,4 @@ def test_a_large_head_stays_under_tight_budgets_and_a_run_over_budget_corrects_t
     assert again["plan"]["decisions"] != over["plan"]["decisions"]
     assert again["correction"] == over["correction"] and again["predicted"] <= again["budget"]
     assert 0 < again["peak_max"] <= again["budget"]
-    assert not [w for w in again["warnings"] if "over the memory budget" in w]
+    assert not [w for w in again["warnings"] if step_over_budget(w)]

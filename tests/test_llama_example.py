@@ -167,3 +167,45 @@ def test_llama_example_trains_on_two_processes_with_strategy_osdp(tmp_path: Path
     assert abs(train[0] - math.log(256)) < 0.3 and train[-1] < train[0] - 0.5
     plan = json.loads((run_dir / "osdp_plan.json").read_text())
     assert plan["decisions"]
+
+
+def test_the_8b_plan_on_64_a100s_is_the_prediction_the_solver_optimised(one_thread: None) -> None:
+    # Issue 21: Llama 3 8B on 8 nodes of 8 A100s at batch 1 x 8,192 (torchtitan's run), `osdp plan`'s estimated
+    # profile at one batch size. The solver's objective for its plan is the timeline's prediction of that plan, and
+    # the plan is no slower than plain FSDP (every block and the rest full_shard, outside the solver's units).
+    import argparse
+    import dataclasses
+
+    from lightning_osdp.cli.estimate import estimated_profile
+    from lightning_osdp.cli.output import Output
+    from lightning_osdp.cli.parsers import add_plan_parser
+    from lightning_osdp.cli.plan import _precision_plugin, _solve, resolve
+    from lightning_osdp.cost_model import predict
+    from lightning_osdp.options import BF16_POLICY
+    from lightning_osdp.plan import Plan
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    shape = ["--init-args", json.dumps(LLAMA3_1_8B), "--model", f"{LLAMA_DIR / 'llama.py'}:LlamaModule"]
+    where = ["--nodes", "8", "--gpus-per-node", "8", "--hardware", "a100-80g-nvlink", "--precision", "bf16-fsdp"]
+    run = resolve(parser.parse_args(["plan", *shape, *where, "--batch-size", "1"]), Output(quiet=True))
+    profile = estimated_profile(
+        run.model,
+        run.batch.make(1),
+        run.figures,
+        step=run.batch.step,
+        optimizer=run.optimizer,
+        step_context=_precision_plugin(run.precision).train_step_context,
+        mixed_precision=BF16_POLICY,
+    )
+    profile = dataclasses.replace(
+        profile, world_size=64, nodes=8, inter_node_collectives=dict(run.figures.inter_node_collectives)
+    )
+    plan = _solve(run, profile)
+    report = plan.report
+    assert report is not None and report.status in ("optimal", "within gap 0.001")
+    assert report.ilp_step_seconds == pytest.approx(report.predicted_step_seconds, rel=1e-3)
+    assert report.ilp_peak_bytes == pytest.approx(report.predicted_peak_bytes, rel=1e-3)
+    assert report.predicted_peak_bytes <= run.planned_budget
+    fsdp = predict(profile, Plan.uniform(run.model, "full_shard"), run.topology)
+    assert report.predicted_step_seconds <= fsdp.step_seconds

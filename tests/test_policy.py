@@ -9,10 +9,11 @@ import pytest
 
 from lightning_osdp import OSDPStrategy, Plan, predict
 from lightning_osdp.cli.output import Output
-from lightning_osdp.cli.parsers import DEFAULT_MEMORY_HEADROOM_TEXT, add_plan_parser
+from lightning_osdp.cli.parsers import DEFAULT_MEMORY_HEADROOM_TEXT, SOLVERS, add_plan_parser
 from lightning_osdp.cli.plan import _solve, resolve
 from lightning_osdp.solver import (
     InfeasibleBudgetError,
+    ilp,
     minimum_budget,
     plan_model,
     planned_budget,
@@ -86,3 +87,24 @@ def test_an_infeasible_budget_names_the_smallest_memory_budget_that_passes_with_
 
 def test_the_parsers_default_headroom_is_the_policys() -> None:
     assert float(DEFAULT_MEMORY_HEADROOM_TEXT) == DEFAULT_MEMORY_HEADROOM
+    assert SOLVERS == ilp.SOLVERS  # and its solvers, default first
+
+
+def test_the_solver_choice_reaches_the_ilp_from_the_strategy_and_the_cli(
+    profile_and_budget: tuple[object, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prof, budget = profile_and_budget
+    used: list[str] = []
+    lp_command = ilp._lp_command
+    monkeypatch.setattr(ilp, "_lp_command", lambda solver, *a, **k: used.append(solver) or lp_command(solver, *a, **k))
+    strategy = OSDPStrategy(memory_budget=budget, solver="highs")
+    run = resolve(_dry_run_args("--memory", str(budget), "--world-size", "2", "--solver", "highs"), Output(quiet=True))
+    chosen = strategy.plan_for(prof, 2)  # type: ignore[arg-type]
+    assert run.solver == "highs" and _solve(run, prof).decisions == chosen.decisions  # type: ignore[arg-type]
+    assert used == ["highs", "highs"]
+    cbc = OSDPStrategy(memory_budget=budget).plan_for(prof, 2)  # type: ignore[arg-type]
+    assert used[-1] == "cbc"
+    assert chosen.report is not None and cbc.report is not None
+    assert chosen.report.predicted_step_seconds == pytest.approx(cbc.report.predicted_step_seconds, rel=1e-3)
+    with pytest.raises(ValueError, match=r"OSDPStrategy\(solver=...\): solver must be one of 'cbc', 'highs'"):
+        OSDPStrategy(solver="glpk")

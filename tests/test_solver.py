@@ -398,3 +398,47 @@ def test_recomputation_lowers_the_smallest_budget_of_an_activation_heavy_model()
     assert any(d.recomputes for d in plan.decisions.values()) and plan.report.predicted_peak_bytes <= with_recompute
     with pytest.raises(InfeasibleBudgetError, match=r"activation_checkpointing='auto'"):
         solve(profile, with_recompute, 2, recompute=False)
+
+
+@pytest.mark.parametrize(
+    ("seed", "units", "blocks", "world_size", "splits"),
+    [(0, 3, False, 2, (1, 2, 4)), (1, 4, False, 3, (1, 2)), (3, 2, True, 2, (1, 2, 4)), (5, 2, True, 3, (1, 2))],
+)
+def test_highs_reaches_the_brute_force_optimum_as_cbc_does(seed, units, blocks, world_size, splits):
+    # The same phases on HiGHS in process (solver="highs"): the same optimum, budget and minimum as brute force.
+    profile = random_profile(seed, units, blocks=blocks, world_size=world_size)
+    plans = all_plans(profile, splits=splits)
+    low, high = min(p for _, p, _ in plans), max(p for _, p, _ in plans)
+    assert minimum_budget(profile, splits=splits, gap=1e-9, solver="highs") == low
+    rng = random.Random(seed)
+    for fraction in (rng.uniform(0.02, 0.3), rng.uniform(0.3, 0.7), 1.0):
+        budget = int(low + (high - low) * fraction)
+        plan = solve(profile, budget, splits=splits, gap=1e-9, solver="highs")
+        assert plan.report.predicted_step_seconds == pytest.approx(brute_force(plans, budget), rel=1e-9, abs=1e-12)
+        assert plan.report.ilp_step_seconds == pytest.approx(plan.report.predicted_step_seconds, rel=1e-9)
+        assert plan.report.predicted_peak_bytes <= budget
+        assert plan.report.status == "optimal"
+
+
+def test_highs_on_identical_blocks_reaches_the_exact_optimum():
+    profile = gpt_profile(depth=10, width=64)
+    problem = PlanningProblem(profile, 2, splits=(1, 2), recompute="auto")
+    low = minimum_budget(profile, 2, splits=(1, 2), solver="highs")
+    assert low == minimum_budget(profile, 2, splits=(1, 2))
+    high = peaks(profile)[1]
+    for fraction in (0.1, 0.35, 0.7):
+        budget = int(low + (high - low) * fraction)
+        plan = solve(profile, budget, 2, splits=(1, 2), solver="highs")
+        formulated = problem._formulate(problem.build(), budget)
+        assert formulated is not None
+        prob = formulated[0]
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=0, gapAbs=0))
+        exact = pulp.value(prob.objective) / 1e3
+        assert exact * (1 - 1e-12) <= plan.report.predicted_step_seconds <= exact * (1 + 1e-3)
+        assert plan.report.predicted_peak_bytes <= budget
+
+
+def test_an_unknown_solver_is_refused_naming_the_choices():
+    profile = gpt_profile(depth=1, width=32)
+    with pytest.raises(ValueError, match="'cbc', 'highs'"):
+        solve(profile, "1GiB", solver="gurobi")

@@ -66,6 +66,7 @@ __all__ = [
     "OSDPModule",
     "ReplicatedModule",
     "Unit",
+    "applied_root",
     "apply_plan",
     "no_gradient_sync",
     "plan_units",
@@ -152,6 +153,23 @@ def plan_units(module: nn.Module, plan: Plan) -> list[CommunicationUnit]:
     return _bottom_up([u for u in units if u.names != (ROOT,)])
 
 
+#: The attribute of a module ``apply_plan`` sharded that holds its root (a plain attribute, not a submodule: the root
+#: holds the module, the module must not hold the root).
+_ROOT_ATTRIBUTE = "_osdp_root"
+
+
+def applied_root(module: nn.Module, plan: Plan | None = None) -> OSDPModule | ReplicatedModule | None:
+    """The root an earlier :func:`apply_plan` made of ``module`` (``None``: not sharded yet). FSDP2 shards a module
+    once: when ``plan`` is given and differs from the one applied, a :class:`PlanError` says so."""
+    root: OSDPModule | ReplicatedModule | None = getattr(module, _ROOT_ATTRIBUTE, None)
+    if root is not None and plan is not None and plan.decisions != root.plan.decisions:
+        raise PlanError(
+            "this LightningModule is already sharded under another plan (by an earlier fit); FSDP2 shards a "
+            "module once: build a fresh instance (and load a checkpoint into it) to train under a new plan"
+        )
+    return root
+
+
 def apply_plan(
     module: nn.Module,
     plan: Plan,
@@ -219,6 +237,7 @@ def apply_plan(
         uninitialized = materialize(module, device) if meta and device is not None else []
         replicated = ReplicatedModule(module, plan, mesh, find_unused_parameters=find_unused_parameters)
         replicated.uninitialized = uninitialized
+        object.__setattr__(module, _ROOT_ATTRIBUTE, replicated)
         return replicated
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mp_policy is not None:
@@ -263,10 +282,12 @@ def apply_plan(
         # DDP broadcasts the buffers of the whole model.
         replicated = ReplicatedModule(root, plan, mesh, find_unused_parameters=find_unused_parameters)
         replicated.uninitialized = uninitialized
+        object.__setattr__(module, _ROOT_ATTRIBUTE, replicated)
         return replicated
     root.buffer_broadcast = BufferBroadcast(module, mesh.get_group())
     root.buffer_broadcast.attach(root)
     root.uninitialized = uninitialized
+    object.__setattr__(module, _ROOT_ATTRIBUTE, root)
     return root
 
 

@@ -38,7 +38,7 @@ from lightning_osdp.checkpoint.full import (
     save_full_checkpoint,
 )
 from lightning_osdp.checkpoint.layout import Manifest, is_sharded_checkpoint, read_manifest, remove_checkpoint
-from lightning_osdp.checkpoint.pretrained import PretrainedLoad, load_pretrained
+from lightning_osdp.checkpoint.pretrained import PretrainedLoad, initialize_weights, load_pretrained
 from lightning_osdp.checkpoint.resume import PlanChoice, SavedPlan, resume_plan, saved_plan
 from lightning_osdp.checkpoint.sharded import (
     ShardedState,
@@ -71,6 +71,7 @@ __all__ = [
     "describe_resume",
     "full_model_state",
     "full_optimizer_state",
+    "initialize_weights",
     "is_sharded_checkpoint",
     "load_checkpoint",
     "load_full_model_state",

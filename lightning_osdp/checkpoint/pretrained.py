@@ -37,11 +37,12 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_osdp.apply.materialize import still_uninitialized
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_osdp.checkpoint.unpickle import weights_only_refusal
 
-__all__ = ["PretrainedLoad", "load_pretrained"]
+__all__ = ["PretrainedLoad", "initialize_weights", "load_pretrained"]
 
 
 @dataclass
@@ -244,3 +245,42 @@ def load_pretrained(
             "initialization"
         )
     return result
+
+
+def initialize_weights(
+    module: nn.Module,
+    uninitialized: list[str],
+    *,
+    pretrained: Path | None,
+    prefix: str | None,
+    resuming: bool,
+) -> None:
+    """After the plan is applied: pretrained weights into the shards, unless the run resumes (its checkpoint holds the
+    weights), and a warning naming what neither a ``reset_parameters()`` nor the weights initialized.
+
+    Args:
+        module: the LightningModule, sharded and materialized (its ``strict_loading`` is honoured).
+        uninitialized: the modules materialization left without an initializer (``root.uninitialized``).
+        pretrained: the full checkpoint to start from (``OSDPStrategy(pretrained=...)``), or ``None``.
+        prefix: the prefix the checkpoint's keys are read under (``None``: found).
+        resuming: whether ``fit(ckpt_path=...)`` restores the weights after setup.
+    """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+    if resuming:
+        return
+    missing: set[str] | None = None
+    if pretrained is not None:
+        loaded = load_pretrained(
+            module, pretrained, prefix=prefix, strict=bool(getattr(module, "strict_loading", True))
+        )
+        rank_zero_info(f"OSDP: {loaded.describe()}")
+        missing = set(loaded.missing)
+    unfilled = still_uninitialized(module, uninitialized, missing)
+    if unfilled:
+        rank_zero_warn(
+            "OSDP: the model was built on the meta device and these modules have parameters or buffers that no "
+            f"reset_parameters() initialized: {', '.join(unfilled)}. Their memory is uninitialized: define "
+            "reset_parameters() on them, init_weights() on the model, or start from pretrained weights "
+            "(OSDPStrategy(pretrained=...)); see docs/large-models.md"
+        )

@@ -17,6 +17,8 @@ from lightning_osdp.cli.hardware import HARDWARE, NETWORKS
 # NOTE: lightning_osdp.solver.policy.DEFAULT_MEMORY_HEADROOM, written out: importing it would import torch (a test
 # keeps the two equal).
 DEFAULT_MEMORY_HEADROOM_TEXT = "0.02"
+# NOTE: lightning_osdp.solver.ilp.SOLVERS, written out for the same reason (the same test keeps them equal).
+SOLVERS = ("cbc", "highs")
 
 __all__ = [
     "COMMANDS",
@@ -154,6 +156,13 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="ranks a hybrid_shard unit shards over, as OSDPStrategy(shard_group_size=...) (default: one node's)",
     )
     planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
+    planner.add_argument(
+        "--solver",
+        choices=SOLVERS,
+        default=SOLVERS[0],
+        help="the ILP's solver: cbc (pulp's bundled CBC) or highs (HiGHS in process, needs highspy), as "
+        "OSDPStrategy(solver=...) (default: %(default)s)",
+    )
     planner.add_argument(
         "--headroom",
         type=float,

@@ -96,6 +96,7 @@ class DryRun:
     modes: tuple[str, ...]
     max_split: int
     time_limit: float
+    solver: str
     #: wall seconds of the stages, for the closing note (profiling, the OSDP solve, the batch search)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -265,6 +266,7 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         modes=_modes(args.modes, config),
         max_split=max_split,
         time_limit=args.time_limit,
+        solver=args.solver,
     )
 
 
@@ -324,6 +326,7 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
         modes=run.modes,
         max_split=run.max_split,
         time_limit=run.time_limit,
+        solver=run.solver,
     )
 
 
@@ -336,6 +339,7 @@ def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]
             modes=run.modes,
             max_split=run.max_split,
             time_limit=run.time_limit,
+            solver=run.solver,
         )
         return smallest <= run.budget
 

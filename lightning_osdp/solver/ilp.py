@@ -19,15 +19,15 @@ added seconds (exposed communication, copies, optimizer, overhead) are precomput
 (``max(0, communication - overlap * its compute)``), so the objective is linear.
 
 [Note: solving]
-The LP relaxation is solved first (CBC, ``mip=False``): it is a lower bound, and in practice only one or two
+The LP relaxation is solved first (integrality dropped): it is a lower bound, and in practice only one or two
 choices come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan
 that fits; when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise the
 count relaxation below tightens the bound and may place a better plan; then a small branch and bound over the
 fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses, and failing that
-CBC's branch and bound runs on the whole problem with ``gapRel`` and
-``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its ``sol_status`` and
-log decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility (then the
-smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
+the solver's branch and bound (CBC's or HiGHS's, see [Note: the MILP solver]) runs on the whole problem with
+``gapRel`` and ``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its
+status and bound decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility
+(then the smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
 feasibility pump alone takes longer than the whole LP-and-round path.
 
 Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_tighten_by_counts``,
@@ -50,10 +50,30 @@ the class only through its sums. Its solution came out whole in every instance m
 ILP (an optimal one when the bound is its value); otherwise, if rounding is not within the gap of the bound, the
 counts it found are placed (the ILP with the counts fixed). CBC's preprocessing and primal
 heuristics are turned off for both (``_LIGHT``): on these few integers they cost more than the search.
+
+[Note: the MILP solver]
+Every phase runs on one solver, chosen per solve (``solver=``): CBC, bundled with pulp and run as a subprocess on
+files (``cbc.py``), or HiGHS, run in process by pulp through ``highspy``. pulp stays the modelling layer either way:
+the rows are built once, in ``_formulate``, and each phase changes bounds or categories and solves again. Two things
+differ. pulp leaves the objective's constant (the compute every plan pays) out of the model it hands either solver,
+so their relative gaps and bounds are of the communication part alone: CBC is given the gap also as an absolute
+one and its log's figures are corrected by the constant; HiGHS is given the constant as its objective offset
+(``_HiGHS``), and its gap, dual bound and cutoff (``objective_bound``) are then of the whole step time. And only CBC
+needs the machinery of a subprocess: the solve's directory, its cleanup on SIGTERM and after a kill, the log read
+back for the bound, the MIP start it is never given (``_run_cbc``'s NOTE); HiGHS returns its status and bound as
+values and leaves no file or process behind.
+
+CBC stays the default because HiGHS was not faster on the figures (``docs/benchmarks.md``, "Planning speed"): with
+the same phases on the 297- and 1,997-unit benchmarks neither solver is faster at every budget, and on both the time
+goes to the branch and bound of the count relaxation and of the last phase, not to handing the model over (pulp
+builds HiGHS's model in process in less time than it writes CBC's file). So the subprocess machinery stays, and so
+do the phases, which the same figures show each earn their keep on CBC at some budget. Both solvers reach the
+brute-force optima of ``tests/test_solver.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -106,7 +126,18 @@ from lightning_osdp.solver.cbc import cbc_command, cbc_workspace
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
 from lightning_osdp.topology import Topology
 
-__all__ = ["InfeasibleBudgetError", "PlanningProblem", "SolverError", "minimum_budget", "solve"]
+__all__ = [
+    "SOLVERS",
+    "InfeasibleBudgetError",
+    "PlanningProblem",
+    "SolverError",
+    "check_solver",
+    "minimum_budget",
+    "solve",
+]
+
+#: The MILP solvers a solve may run its phases on (see [Note: the MILP solver]); the first is the default.
+SOLVERS = ("cbc", "highs")
 
 
 class InfeasibleBudgetError(ValueError):
@@ -234,13 +265,15 @@ class Incumbent:
 
 @dataclass
 class _Formulation:
-    """The ILP in pulp (see :meth:`PlanningProblem._formulate`), with the directory its CBC runs write to."""
+    """The ILP in pulp (see :meth:`PlanningProblem._formulate`), the solver its phases run on, and (CBC) the
+    directory its runs write to."""
 
     prob: pulp.LpProblem
     xs: list[pulp.LpVariable]
     counts: dict[tuple[int, Hashable], pulp.LpVariable]
     be: LinearBackend
-    workdir: str
+    solver: str
+    workdir: str | None
 
 
 def _relative_gap(value: float, lower: float) -> float:
@@ -473,20 +506,24 @@ class PlanningProblem:
 
     # ------------------------------------------------------------------ solving (see [Note: solving])
     def solve_ilp(
-        self, be: LinearBackend, *, budget: int | None, gap: float, time_limit: float
+        self, be: LinearBackend, *, budget: int | None, gap: float, time_limit: float, solver: str = SOLVERS[0]
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
         """Minimise step time under ``budget`` (bytes), or (``budget=None``) minimise the peak. Returns the chosen
         option per choice (``None`` when infeasible) and how the solve ended (see [Note: solving]).
 
         The phases run in order, each handing a plan and/or a lower bound to one :class:`Incumbent`, and the
-        solve stops as soon as the incumbent is within ``gap`` of the bound."""
+        solve stops as soon as the incumbent is within ``gap`` of the bound; every phase runs on ``solver`` (one of
+        :data:`SOLVERS`)."""
+        check_solver(solver)
         started = time.perf_counter()
         formulated = self._formulate(be, budget)
         if formulated is None:
             return None, SolveResult("infeasible", None, 0.0, math.nan)
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started)
-        with cbc_workspace() as workdir:
-            f = _Formulation(*formulated, be=be, workdir=workdir)
+        # HiGHS runs in process: no files, no child process (see [Note: the MILP solver]).
+        workspace = cbc_workspace() if solver == "cbc" else contextlib.nullcontext(None)
+        with workspace as workdir:
+            f = _Formulation(*formulated, be=be, solver=solver, workdir=workdir)
             status = self._relax(f, incumbent, time_limit)
             if status == pulp.LpStatusInfeasible:
                 return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
@@ -505,7 +542,7 @@ class PlanningProblem:
     def _relax(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> int:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
         solution has very few fractional choices). Returns pulp's status."""
-        f.prob.solve(cbc_command(f.workdir, msg=False, mip=False, timeLimit=time_limit))
+        f.prob.solve(_lp_command(f.solver, f.workdir, time_limit=time_limit))
         if f.prob.status == pulp.LpStatusInfeasible:
             return f.prob.status
         lower = pulp.value(f.prob.objective)
@@ -542,7 +579,9 @@ class PlanningProblem:
         (see [Note: identical segments]); its solution is offered when whole, and its counts placed otherwise."""
         if not self.classes:
             return
-        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit, workdir=f.workdir)
+        counted = self._count_relaxation(
+            f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit, solver=f.solver, workdir=f.workdir
+        )
         if counted is None:
             return
         bound, found, whole = counted
@@ -550,7 +589,7 @@ class PlanningProblem:
         incumbent.offer(whole)
         if not incumbent.within_gap():
             placed = self._with_counts(
-                f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit, workdir=f.workdir
+                f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit, solver=f.solver, workdir=f.workdir
             )
             incumbent.offer(placed)
 
@@ -567,7 +606,9 @@ class PlanningProblem:
             return
         start = incumbent.chosen
         incumbent.offer(
-            self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit, workdir=f.workdir)
+            self._neighbourhood(
+                f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit, solver=f.solver, workdir=f.workdir
+            )
         )
 
     def _branch_and_bound(
@@ -584,8 +625,16 @@ class PlanningProblem:
         constant = f.prob.objective.constant if f.prob.objective is not None else 0.0
         cutoff = None if incumbent.chosen is None else incumbent.value * (1 - gap) - constant
         try:
-            chosen, result = _run_cbc(
-                f.prob, f.be, f.xs, gap=gap, absolute_gap=absolute, time_limit=left, cutoff=cutoff, workdir=f.workdir
+            chosen, result = _run_mip(
+                f.solver,
+                f.prob,
+                f.be,
+                f.xs,
+                gap=gap,
+                absolute_gap=absolute,
+                time_limit=left,
+                cutoff=cutoff,
+                workdir=f.workdir,
             )
         except SolverError:
             if incumbent.chosen is None or lower is None:
@@ -617,6 +666,7 @@ class PlanningProblem:
         gap: float,
         time_limit: float,
         *,
+        solver: str = SOLVERS[0],
         workdir: str | None = None,
     ) -> tuple[float, dict[tuple[int, Hashable], int], dict[Hashable, Hashable] | None] | None:
         """The lower bound of the count relaxation (see [Note: identical segments]), its integer counts per
@@ -626,14 +676,15 @@ class PlanningProblem:
         for x in relaxed:
             x.cat = pulp.LpContinuous
         try:
-            _, result = _run_cbc(
+            _, result = _run_mip(
+                solver,
                 prob,
                 be,
                 xs,
                 gap=gap / 4,
                 absolute_gap=None,
                 time_limit=max(time_limit, 1.0),
-                options=_LIGHT,
+                light=True,
                 workdir=workdir,
             )
         except SolverError:
@@ -665,6 +716,7 @@ class PlanningProblem:
         gap: float,
         time_limit: float,
         *,
+        solver: str = SOLVERS[0],
         workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound with each class of identical segments held to the counts ``values``: where the count
@@ -672,14 +724,15 @@ class PlanningProblem:
         for k, n in counts.items():
             n.lowBound = n.upBound = values[k]
         try:
-            chosen, _ = _run_cbc(
+            chosen, _ = _run_mip(
+                solver,
                 prob,
                 be,
                 xs,
                 gap=gap / 4,
                 absolute_gap=None,
                 time_limit=max(time_limit, 1.0),
-                options=_LIGHT,
+                light=True,
                 workdir=workdir,
             )
         except SolverError:
@@ -699,6 +752,7 @@ class PlanningProblem:
         gap: float,
         time_limit: float,
         *,
+        solver: str = SOLVERS[0],
         workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound over the fractional choices, the global units and a spread of other segments (every
@@ -719,8 +773,8 @@ class PlanningProblem:
                 x.lowBound = x.upBound = value
                 fixed.append(x)
         try:
-            chosen, _ = _run_cbc(
-                prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), workdir=workdir
+            chosen, _ = _run_mip(
+                solver, prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), workdir=workdir
             )
         except SolverError:
             chosen = None
@@ -853,15 +907,129 @@ def _prune(costs: dict[K, SegmentCosts]) -> list[K]:
     return kept
 
 
-#: CBC options for the count relaxation and the placement of its counts: their few integer variables branch
-#: quickly, and CBC's preprocessing and primal heuristics cost more than the search (75 blocks: 1.2 s -> 0.4 s).
-_LIGHT = ("preprocess off", "heur off")
+#: Options for the count relaxation and the placement of its counts, per solver: their few integer variables
+#: branch quickly, and presolve and primal heuristics cost more than the search (CBC, 75 blocks: 1.2 s -> 0.4 s).
+_LIGHT: dict[str, dict[str, Any]] = {
+    "cbc": {"options": ["preprocess off", "heur off"]},
+    "highs": {"presolve": "off", "mip_heuristic_effort": 0.0},
+}
 
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
 
 _OBJECTIVE = re.compile(r"Objective value:\s+([-+0-9.eE]+)")
 _BOUND = re.compile(r"Lower bound:\s+([-+0-9.eE]+)")
+
+
+def check_solver(solver: str) -> str:
+    """``solver`` if it names one of :data:`SOLVERS` that is installed, else a ``ValueError`` saying what to do."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {', '.join(map(repr, SOLVERS))}, got {solver!r}")
+    if solver == "highs" and not pulp.HiGHS().available():
+        raise ValueError("solver='highs' needs the highspy package (pip install highspy), or use solver='cbc'")
+    return solver
+
+
+def _lp_command(solver: str, workdir: str | None, *, time_limit: float) -> pulp.LpSolver:
+    """The LP relaxation's solver (integrality dropped)."""
+    if solver == "highs":
+        return _HiGHS(msg=False, mip=False, timeLimit=time_limit)
+    assert workdir is not None
+    return cbc_command(workdir, msg=False, mip=False, timeLimit=time_limit)
+
+
+def _run_mip(
+    solver: str,
+    prob: pulp.LpProblem,
+    be: LinearBackend,
+    xs: list[pulp.LpVariable],
+    *,
+    gap: float,
+    absolute_gap: float | None,
+    time_limit: float,
+    cutoff: float | None = None,
+    light: bool = False,
+    workdir: str | None = None,
+) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+    """Branch and bound on ``solver``; with ``cutoff`` (objective without its constant) only better plans are
+    searched; ``light`` turns presolve and primal heuristics off (see :data:`_LIGHT`). ``workdir`` is CBC's."""
+    if solver == "highs":
+        return _run_highs(
+            prob, be, xs, gap=gap, absolute_gap=absolute_gap, time_limit=time_limit, cutoff=cutoff, light=light
+        )
+    return _run_cbc(
+        prob,
+        be,
+        xs,
+        gap=gap,
+        absolute_gap=absolute_gap,
+        time_limit=time_limit,
+        cutoff=cutoff,
+        options=_LIGHT["cbc"]["options"] if light else (),
+        workdir=workdir,
+    )
+
+
+def _chosen(be: LinearBackend, xs: list[pulp.LpVariable]) -> dict[Hashable, Hashable]:
+    """The option each choice takes in the solution pulp holds (its largest binary)."""
+    return {
+        key: max(choices, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0) for key, choices in be.options.items()
+    }
+
+
+class _HiGHS(pulp.HiGHS):
+    """pulp's in-process HiGHS, given the objective's constant as HiGHS's offset (pulp leaves it out): HiGHS's
+    relative gap, bound and cutoff are then of the whole predicted step time, as the solve's gap is."""
+
+    def buildSolverModel(self, lp: pulp.LpProblem) -> None:
+        super().buildSolverModel(lp)
+        constant = lp.objective.constant if lp.objective is not None else 0.0
+        if constant:
+            lp.solverModel.changeObjectiveOffset(float(constant))
+
+
+def _run_highs(
+    prob: pulp.LpProblem,
+    be: LinearBackend,
+    xs: list[pulp.LpVariable],
+    *,
+    gap: float,
+    absolute_gap: float | None,
+    time_limit: float,
+    cutoff: float | None = None,
+    light: bool = False,
+) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+    """Branch and bound in process on HiGHS (see :func:`_run_mip`); its status and bound read from HiGHS itself."""
+    import highspy
+
+    options: dict[str, Any] = dict(_LIGHT["highs"]) if light else {}
+    constant = prob.objective.constant if prob.objective is not None else 0.0
+    if cutoff is not None:
+        options["objective_bound"] = float(cutoff + constant)  # HiGHS prunes every node at or above it
+    solver = _HiGHS(msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, **options)
+    started = time.perf_counter()
+    prob.solve(solver)
+    seconds = time.perf_counter() - started
+    highs = prob.solverModel
+    model_status = highs.getModelStatus()
+    info = highs.getInfo()
+    statuses = highspy.HighsModelStatus
+    if model_status in (statuses.kInfeasible, statuses.kObjectiveBound, statuses.kUnboundedOrInfeasible):
+        return None, SolveResult("infeasible", None, seconds, math.nan)
+    if info.primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
+        raise SolverError(
+            f"HiGHS found no plan within {time_limit:g} s (status {highs.modelStatusToString(model_status)}); "
+            "raise time_limit or restrict the options (modes, max_split)"
+        )
+    value, lower = float(info.objective_function_value), float(info.mip_dual_bound)
+    achieved = _relative_gap(value, lower)
+    if model_status == statuses.kTimeLimit:
+        status = "time limit"
+    elif achieved > 1e-9:
+        status = f"within gap {gap:g}"
+    else:
+        status = "optimal"
+    return _chosen(be, xs), SolveResult(status, achieved, seconds, value)
 
 
 def _run_cbc(
@@ -876,8 +1044,8 @@ def _run_cbc(
     options: Sequence[str] = (),
     workdir: str | None = None,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound; with ``cutoff`` (objective without its constant) only better plans are searched. Its
-    files are written to ``workdir`` (a :func:`~lightning_osdp.solver.cbc.cbc_workspace`; its own by default).
+    """Branch and bound on CBC (see :func:`_run_mip`). Its files are written to ``workdir`` (a
+    :func:`~lightning_osdp.solver.cbc.cbc_workspace`; its own by default).
 
     NOTE: CBC 2.10.3 (pulp's bundled one) mishandles MIP starts on this model: given a feasible start it can
     report the problem "proven infeasible" while better plans exist, and pulp then reads the status as optimal and
@@ -919,11 +1087,8 @@ def _run_cbc(
         status = f"within gap {gap:g}"
     else:
         status = "optimal"
-    chosen: dict[Hashable, Hashable] = {}
-    for key, choices in be.options.items():
-        chosen[key] = max(choices, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0)
     value = pulp.value(prob.objective)
-    return chosen, SolveResult(status, achieved, seconds, float(value) if value is not None else math.nan)
+    return _chosen(be, xs), SolveResult(status, achieved, seconds, float(value) if value is not None else math.nan)
 
 
 def _footprint(c: SegmentCosts) -> int:
@@ -956,9 +1121,11 @@ def minimum_budget(
     gap: float = 1e-6,
     time_limit: float = 10.0,
     recompute: Recompute = "auto",
+    solver: str = SOLVERS[0],
 ) -> int:
     """The smallest per-device peak (bytes) any plan reaches under the given options: the ILP with the peak as
-    its objective. Budgets below it are infeasible for :func:`solve`."""
+    its objective, on ``solver`` (as for :func:`solve`). Budgets below it are infeasible for :func:`solve`."""
+    check_solver(solver)
     problem = PlanningProblem(
         profile,
         world_size or profile.world_size,
@@ -968,15 +1135,15 @@ def minimum_budget(
         config=config,
         recompute=recompute,
     )
-    _, minimum = _minimum(problem, gap=gap, time_limit=time_limit)
+    _, minimum = _minimum(problem, gap=gap, time_limit=time_limit, solver=solver)
     return minimum
 
 
-def _minimum(problem: PlanningProblem, *, gap: float, time_limit: float) -> tuple[Plan, int]:
+def _minimum(problem: PlanningProblem, *, gap: float, time_limit: float, solver: str) -> tuple[Plan, int]:
     """The plan of smallest peak, and the budget :func:`solve` accepts for it: its predicted peak, or the ILP's
     when larger (the ILP bounds pending buffers after DDP segments from above: timeline.py)."""
     be = problem.build()
-    chosen, _ = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit)
+    chosen, _ = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit, solver=solver)
     if chosen is None:
         raise SolverError("the minimum-memory problem is infeasible: this is a bug in the cost model")
     plan = problem.plan(chosen)
@@ -996,6 +1163,7 @@ def solve(
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
+    solver: str = SOLVERS[0],
 ) -> Plan:
     """The plan with the smallest predicted step time whose predicted per-device peak fits ``memory_budget``.
 
@@ -1008,12 +1176,14 @@ def solve(
             ``("hybrid_shard",)`` HSDP.
         max_split: largest operator-splitting factor (1 disables splitting).
         splits: split factors to consider (those above ``max_split`` are dropped).
-        gap: CBC's relative optimality gap.
-        time_limit: CBC's time limit in seconds.
+        gap: the relative optimality gap (of the whole predicted step time).
+        time_limit: the solver's time limit in seconds (per phase; see [Note: solving]).
         units: planning units overriding the automatic choice (see ``lightning_osdp/solver/candidates.py``).
         config: cost-model constants.
         recompute: whether segments may recompute their activations: ``"auto"`` (where it pays), ``True`` (every
             segment that saves activations does), ``False`` (none does).
+        solver: the MILP solver every phase runs on: ``"cbc"`` (pulp's bundled CBC, a subprocess; the default) or
+            ``"highs"`` (HiGHS in process, through the ``highspy`` package); see [Note: the MILP solver].
 
     Returns:
         a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds
@@ -1025,10 +1195,11 @@ def solve(
     Raises:
         InfeasibleBudgetError: no plan fits; its message states the smallest budget any plan meets and the
             largest consumers.
-        SolverError: CBC found no solution within ``time_limit``.
+        SolverError: the solver found no solution within ``time_limit``.
     """
     from lightning_osdp.budget import parse_memory_budget
 
+    check_solver(solver)
     budget = parse_memory_budget(memory_budget)
     ws = world_size or profile.world_size
     started = time.perf_counter()
@@ -1036,10 +1207,10 @@ def solve(
         profile, ws, modes=modes, splits=_splits(splits, max_split), units=units, config=config, recompute=recompute
     )
     be = problem.build()
-    chosen, result = problem.solve_ilp(be, budget=budget, gap=gap, time_limit=time_limit)
+    chosen, result = problem.solve_ilp(be, budget=budget, gap=gap, time_limit=time_limit, solver=solver)
     chosen, result = _check_replicated(problem, be, budget, chosen, result)
     if chosen is None:
-        raise _infeasible(problem, budget, time_limit)
+        raise _infeasible(problem, budget, time_limit, solver)
     plan = problem.plan(chosen)
     prediction = problem.predict(plan)
     ilp_peak, ilp_seconds = _ilp_figures(be, chosen)
@@ -1102,8 +1273,8 @@ def _all_no_shard(problem: PlanningProblem, be: LinearBackend) -> dict[Hashable,
     return chosen
 
 
-def _infeasible(problem: PlanningProblem, budget: int, time_limit: float) -> InfeasibleBudgetError:
-    plan, minimum = _minimum(problem, gap=1e-6, time_limit=time_limit)
+def _infeasible(problem: PlanningProblem, budget: int, time_limit: float, solver: str) -> InfeasibleBudgetError:
+    plan, minimum = _minimum(problem, gap=1e-6, time_limit=time_limit, solver=solver)
     prediction = problem.predict(plan)
     consumers = _consumers(problem)
     parts = ", ".join(

@@ -31,7 +31,7 @@ from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.ilp import InfeasibleBudgetError, minimum_budget, solve
+from lightning_osdp.solver.ilp import SOLVERS, InfeasibleBudgetError, minimum_budget, solve
 from lightning_osdp.topology import Topology
 
 __all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
@@ -64,6 +64,7 @@ def plan_model(
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
+    solver: str = SOLVERS[0],
 ) -> Plan:
     """The fastest plan whose predicted peak fits ``memory_budget`` less the planner's ``headroom``.
 
@@ -81,6 +82,7 @@ def plan_model(
         units: likewise.
         config: likewise.
         recompute: likewise.
+        solver: likewise (``"cbc"`` or ``"highs"``).
 
     Returns:
         the plan; its ``report`` also records ``memory_budget_bytes`` (the budget given) and ``memory_headroom``.
@@ -103,6 +105,7 @@ def plan_model(
             units=units,
             config=config,
             recompute=recompute,
+            solver=solver,
         )
     except InfeasibleBudgetError as err:
         needed = _with_headroom(err.minimum, headroom)
@@ -130,6 +133,7 @@ def smallest_memory_budget(
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
+    solver: str = SOLVERS[0],
 ) -> int:
     """The smallest ``memory_budget`` (bytes) :func:`plan_model` accepts: the smallest peak any plan reaches,
     grown by the headroom."""
@@ -142,6 +146,7 @@ def smallest_memory_budget(
         units=units,
         config=config,
         recompute=recompute,
+        solver=solver,
     )
     return _with_headroom(minimum, _check_headroom(headroom))
 

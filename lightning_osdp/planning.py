@@ -1,0 +1,240 @@
+"""What ``OSDPStrategy.setup`` does between a model on its device and a plan to apply: profile -> solve, for a run.
+
+The decision of *which* plan (given, resumed, corrected or solved here) is
+:func:`~lightning_osdp.solver.resolve.resolve_plan`, free of Lightning; this module is the run's side of it: the
+planner's options (:class:`PlannerOptions`, the same ``plan_model`` call ``osdp plan`` makes), the batch profiling
+runs, the profile itself (a collective), and the printout and files of a plan solved here. The strategy calls
+:meth:`RunPlanner.resolve` and applies what it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_osdp import checkpoint as osdp_checkpoint
+from lightning_osdp import options
+from lightning_osdp._compat import fit_ckpt_path, fit_train_dataloader
+from lightning_osdp.budget import format_bytes
+from lightning_osdp.distributed import from_rank_zero
+from lightning_osdp.plan import Plan
+from lightning_osdp.profiling.collectives import NodeGroups
+from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solver.resolve import Resolution, resolve_plan
+from lightning_osdp.topology import Topology
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["PlannerOptions", "RunPlanner", "representative_batch"]
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """The planner's options of ``OSDPStrategy`` (each checked by :mod:`lightning_osdp.options`): what
+    :func:`~lightning_osdp.solver.plan_model` is called with, in ``setup`` and by ``osdp plan`` alike."""
+
+    modes: tuple[str, ...]
+    max_split: int
+    activation_checkpointing: bool | Literal["auto", "selective", "full"]
+    time_limit: float
+    headroom: float
+    solver: str = "cbc"
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        modes: Sequence[str],
+        max_split: int,
+        activation_checkpointing: Any,
+        solver_time_limit: Any,
+        memory_headroom: Any,
+        solver: Any = "cbc",
+    ) -> PlannerOptions:
+        """The options, each checked (``TypeError``/``ValueError`` naming the argument)."""
+        return cls(
+            modes=options.check_modes(modes),
+            max_split=options.check_max_split(max_split),
+            activation_checkpointing=options.check_activation_checkpointing(activation_checkpointing),
+            time_limit=options.check_solver_time_limit(solver_time_limit),
+            headroom=options.check_memory_headroom(memory_headroom),
+            solver=options.check_solver(solver),
+        )
+
+    def plan(self, profile: ModelProfile, budget: int, topology: int | Topology) -> Plan:
+        """The fastest plan for ``profile`` that fits ``budget`` less the headroom on ``topology``."""
+        from lightning_osdp.solver import plan_model
+
+        return plan_model(
+            profile,
+            budget,
+            topology,
+            headroom=self.headroom,
+            modes=self.modes,
+            max_split=self.max_split,
+            recompute=self.activation_checkpointing,
+            time_limit=self.time_limit,
+            solver=self.solver,
+        )
+
+    def fits(self, profile: ModelProfile, plan: Plan, budget: int, topology: Topology) -> bool:
+        """Whether ``plan``'s predicted peak on ``profile`` is within the budget the planner plans against."""
+        from lightning_osdp.cost_model import predict
+        from lightning_osdp.solver import planned_budget
+
+        return predict(profile, plan, topology).peak_bytes <= planned_budget(budget, self.headroom)
+
+
+def representative_batch(
+    trainer: pl.Trainer, module: pl.LightningModule, to_device: Callable[[Any], Any]
+) -> tuple[Any, str, str]:
+    """The batch profiling runs, where it came from, and the step it runs: the first batch of the fit's train
+    dataloader, else ``example_input_array`` through ``forward`` (``lightning_osdp.profiling`` [Note: the
+    representative batch])."""
+    if trainer.state.fn == TrainerFn.FITTING:
+        loader = fit_train_dataloader(trainer)
+        if loader is not None:
+            # A loader's iterator draws its base seed from the global RNG: forked, so that the run's stream (the
+            # dropout masks, a meta model's initialization) is the one it would be without profiling.
+            with torch.random.fork_rng(devices=[]):
+                batch = next(iter(loader))
+            return to_device(batch), "first batch of the train dataloader", "training_step"
+    if module.example_input_array is not None:
+        return to_device(module.example_input_array), "example_input_array", "forward"
+    raise RuntimeError(
+        "OSDP plans from a representative batch: this run has no train dataloader and the LightningModule "
+        "no `example_input_array`. Set one, or pass a plan with OSDPStrategy(plan=...)."
+    )
+
+
+@dataclass
+class RunPlanner:
+    """One run's planning in ``setup``: everything the strategy knows that the plan depends on.
+
+    Attributes:
+        options: the planner's options.
+        budget: the per-device memory budget in force (bytes).
+        requested_budget: the budget the user asked for (``None``: the device's capacity): a resumed checkpoint's plan
+            is reused only when it is unchanged.
+        topology: this run's nodes, ranks per node and shard groups.
+        world_size: the number of ranks.
+        device: this rank's device.
+        mp_policy: FSDP2's mixed-precision policy (the step is profiled with the parameters in its dtype).
+        step_context: the precision plugin's context of a training step.
+        node_groups: this rank's groups within and across nodes (``None`` on one node).
+        plan_out: where a plan solved here is saved (``None``: ``osdp_plan.json`` in the logger's directory).
+        is_global_zero: whether this is rank 0 (which prints and saves).
+    """
+
+    options: PlannerOptions
+    budget: int
+    requested_budget: int | None
+    topology: Topology
+    world_size: int
+    device: torch.device
+    mp_policy: MixedPrecisionPolicy | None
+    step_context: Callable[[], AbstractContextManager[Any]]
+    node_groups: NodeGroups | None
+    plan_out: Path | None
+    is_global_zero: bool
+    #: The profile file saved beside a plan solved here (rank 0), where a measured correction is recorded.
+    profile_file: Path | None = None
+
+    def resolve(
+        self, trainer: pl.Trainer, module: pl.LightningModule, given: Plan | None, to_device: Callable[[Any], Any]
+    ) -> Resolution:
+        """The plan given, else the resumed checkpoint's, else profile and solve (rank 0 solves, every rank gets
+        its plan); a plan solved here is printed and saved with its profile."""
+        resolution = resolve_plan(
+            given=given,
+            resumed=self._resumed(trainer, module),
+            topology=self.topology,
+            fits=lambda profile, plan: self.options.fits(profile, plan, self.budget, self.topology),
+            solve=lambda profile: from_rank_zero(
+                lambda: self.options.plan(profile, self.budget, self.topology), what="planning"
+            ),
+            profile=lambda: self._profile(trainer, module, to_device),
+        )
+        for message in resolution.messages:
+            rank_zero_info(f"OSDP: {message}")
+        if resolution.solved_here and resolution.profile is not None:
+            self._save(trainer, resolution.plan, resolution.profile)
+        return resolution
+
+    def check_holds_parameters(self, module: torch.nn.Module) -> None:
+        """Before profiling: the budget the planner plans against must hold at least the model's parameters sharded
+        over every rank, the least any plan keeps (a budget below it can only be a mistake, and profiling a large
+        model takes long).
+
+        Raises:
+            InfeasibleBudgetError: it does not, with the figure.
+        """
+        from lightning_osdp.solver import InfeasibleBudgetError, planned_budget
+
+        least = -(-sum(p.numel() * p.element_size() for p in module.parameters()) // self.world_size)
+        if planned_budget(self.budget, self.options.headroom) < least:
+            raise InfeasibleBudgetError(
+                f"memory budget {format_bytes(self.budget)} per device cannot hold the model's parameters even sharded "
+                f"over all {self.world_size} ranks ({format_bytes(least)} each, before gradients, optimizer state and "
+                "activations): raise memory_budget, or run on more ranks",
+                budget=self.budget,
+                minimum=least,
+                consumers=[],
+            )
+
+    def _resumed(self, trainer: pl.Trainer, module: pl.LightningModule) -> osdp_checkpoint.PlanChoice | None:
+        path = fit_ckpt_path(trainer)
+        if path is None or not Path(path).exists():
+            return None
+        return osdp_checkpoint.resume_plan(
+            osdp_checkpoint.saved_plan(path),
+            world_size=self.world_size,
+            memory_budget=self.requested_budget,
+            module=module,
+        )
+
+    def _profile(
+        self, trainer: pl.Trainer, module: pl.LightningModule, to_device: Callable[[Any], Any]
+    ) -> ModelProfile:
+        """Profile on the representative batch (a collective: every rank profiles its replica, rank 0's figures are
+        broadcast so that all plan alike)."""
+        from lightning_osdp.profiling import profile, profile_with_policy
+
+        self.check_holds_parameters(module)
+        batch, source, step = representative_batch(trainer, module, to_device)
+        kwargs: dict[str, Any] = {
+            "device": self.device,
+            "step": step,
+            "batch_source": source,
+            "step_context": self.step_context,
+            # A copy of the model is measured only if its step fits the budget beside the model (else block by block).
+            "available_memory": self.budget,
+            "node_groups": self.node_groups,
+        }
+        if self.mp_policy is not None:
+            # As the policy runs the step: parameters in its dtype (lightning_osdp/profiling/mixed_precision.py).
+            return profile_with_policy(module, batch, self.mp_policy, **kwargs)
+        return profile(module, batch, **kwargs)
+
+    def _save(self, trainer: pl.Trainer, plan: Plan, profile: ModelProfile) -> None:
+        """Rank 0 prints the plan solved here and saves it, with its profile beside it."""
+        from lightning_osdp.cost_model import predict
+        from lightning_osdp.solver import format_plan
+
+        # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
+        out = self.plan_out or Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
+        if not self.is_global_zero:
+            return
+        print(format_plan(plan, predict(profile, plan, self.topology), budget=self.budget))
+        plan.save(out)
+        self.profile_file = profile.save(out.with_name(out.stem + ".profile.json"))
+        rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
