@@ -72,15 +72,7 @@ class _Tally:
         self._unsized = 0
 
     def _record_op(self, flops: int, traffic: int, kernel: ComputeKernel | None = None) -> None:
-        tally = self.ops
-        if flops:
-            tally.matmul_ops += 1
-            tally.matmul_flops += flops
-            if kernel is not None:
-                tally.kernels[kernel] = tally.kernels.get(kernel, 0) + 1
-        else:
-            tally.memory_ops += 1
-            tally.memory_bytes += traffic
+        self.ops.count(flops, traffic, kernel)
 
 
 def _output_bytes(output: Any) -> int:

@@ -248,6 +248,17 @@ class OpTally:
     memory_bytes: int = 0
     kernels: dict[ComputeKernel, int] = field(default_factory=dict)
 
+    def count(self, flops: int, traffic: int, kernel: ComputeKernel | None = None) -> None:
+        """One operator: compute-bound when it has FLOPs (its kernel's shape counted), else memory-bound."""
+        if flops:
+            self.matmul_ops += 1
+            self.matmul_flops += flops
+            if kernel is not None:
+                self.kernels[kernel] = self.kernels.get(kernel, 0) + 1
+        else:
+            self.memory_ops += 1
+            self.memory_bytes += traffic
+
     def __iadd__(self, other: OpTally) -> OpTally:
         self.matmul_ops += other.matmul_ops
         self.matmul_flops += other.matmul_flops
@@ -601,14 +612,7 @@ class ModuleTracer:
             owner_record = record.of(self._stack[-1].name if self._stack else None)
             owner_record.fwd_flops += flops
             tally = owner_record.fwd_ops
-        if flops:
-            tally.matmul_ops += 1
-            tally.matmul_flops += flops
-            if kernel is not None:
-                tally.kernels[kernel] = tally.kernels.get(kernel, 0) + 1
-        else:
-            tally.memory_ops += 1
-            tally.memory_bytes += traffic
+        tally.count(flops, traffic, kernel)
 
 
 def _unpack(t: Tensor) -> Tensor:
