@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
@@ -125,6 +125,14 @@ class OSDPMonitor(Callback):
         return " | ".join(parts)
 
     # ------------------------------------------------------------------ Lightning's hooks
+    def attach(self, trainer: pl.Trainer) -> None:
+        """Join the Trainer's callbacks (once), before its checkpoint callbacks: a step's measurement ends before a
+        checkpoint is written."""
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by its callback connector
+        if self not in callbacks:
+            first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+            callbacks.insert(first_checkpoint, self)
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

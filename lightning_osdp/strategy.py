@@ -8,7 +8,7 @@ checkpoints).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -19,11 +19,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -45,14 +42,14 @@ from lightning_osdp._compat import (
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, applied_root, apply_plan, no_gradient_sync
 from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
-from lightning_osdp.apply.optimizer import step_mixed_groups_per_tensor
+from lightning_osdp.apply.optimizer import prepare_optimizers
 from lightning_osdp.budget import device_memory_capacity, format_bytes
+from lightning_osdp.checkpoint.strategy import CheckpointingStrategy
 from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.planning import PlannerOptions, RunPlanner
 from lightning_osdp.precision import OSDPPrecision, osdp_precision
-from lightning_osdp.profiling.collectives import NodeGroups
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import SetupMeter, StepMonitor
@@ -92,7 +89,7 @@ _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 # * The default stays `None`: Lightning's plugins alone, the behaviour that matches Lightning's DDP bit for bit.
 
 
-class OSDPStrategy(ParallelStrategy):
+class OSDPStrategy(CheckpointingStrategy):
     """Optimal Sharded Data Parallel: each module replicated (DDP) or sharded (ZeRO-2/ZeRO-3), as a plan says.
 
     ``docs/configuration.md`` says what each argument does, its default and the values it takes; in short:
@@ -166,7 +163,6 @@ class OSDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        # Every argument is checked here, before any process starts (lightning_osdp/options.py).
         self._memory_budget = options.check_memory_budget(memory_budget)
         # What the user asked for (None: the device's capacity, which drifts between runs on a CPU); a resumed run
         # reuses its checkpoint's plan when this is unchanged.
@@ -181,8 +177,7 @@ class OSDPStrategy(ParallelStrategy):
         )
         self._plan_out = options.check_plan_out(plan_out)
         self._profile: ModelProfile | None = None
-        # Where this run saved the profile beside its plan (rank 0), to record a measured correction in.
-        self._profile_file: Path | None = None
+        self._profile_file: Path | None = None  # where rank 0 saved it, to record a measured correction in
         self._plan: Plan | None = options.check_plan(plan)
         self._process_group_backend = options.check_process_group_backend(process_group_backend)
         self._timeout = options.check_timeout(
@@ -227,8 +222,7 @@ class OSDPStrategy(ParallelStrategy):
 
     @property
     def activation_checkpointing(self) -> bool | Literal["auto", "selective", "full"]:
-        """Whether the planner may recompute units' activations: ``"auto"``, ``"selective"``, ``"full"``/``True`` or
-        ``False``."""
+        """Which recomputation the planner may choose: ``"auto"``, ``"selective"``, ``"full"``/``True`` or ``False``."""
         return self._planner.activation_checkpointing
 
     @property
@@ -264,9 +258,8 @@ class OSDPStrategy(ParallelStrategy):
 
     @property
     def setup_peak_memory_bytes(self) -> int | None:
-        """This rank's peak memory during ``setup`` (profiling, sharding, materialization, the optimizers), measured as
-        a step's peak is: the CUDA allocator's figure, on CPU the live-storage tracker (``None`` with
-        ``memory_steps=0`` on CPU, or before setup)."""
+        """This rank's peak memory during ``setup``, measured as a step's is (``None`` before setup, or on CPU with
+        ``memory_steps=0``)."""
         return self._setup_peak
 
     @property
@@ -275,9 +268,8 @@ class OSDPStrategy(ParallelStrategy):
         return self._monitor.step_time if self._monitor is not None else None
 
     def summary(self) -> str:
-        """One line for the end of a run: the step reached and the last logged metrics, the plan in force, and this
-        rank's measured step time and peak memory beside the plan's prediction (when the plan was solved here or
-        resumed with its profile). The examples and the demo print it."""
+        """One line for the end of a run: the step and last metrics, the plan, and this rank's measured step time and
+        peak memory beside the plan's prediction (when it has a profile). The examples print it."""
         module = self.lightning_module
         if self._monitor is None:
             return "no plan yet"
@@ -450,7 +442,10 @@ class OSDPStrategy(ParallelStrategy):
                 prefix=self._pretrained_prefix,
                 resuming=fit_ckpt_path(trainer) is not None,
             )
-            self._report_plan(self._plan)
+            budget = format_bytes(self._memory_budget)
+            rank_zero_info(
+                f"OSDP: {self._plan.summary()} on {self.world_size} ranks, memory budget {budget} per device"
+            )
         self.model = self._root
         self._attach_monitor(trainer)
         self.barrier()
@@ -458,19 +453,13 @@ class OSDPStrategy(ParallelStrategy):
             # Optimizers are built after sharding, so they hold the DTensor shards.
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
-            for optimizer in self.optimizers:
-                if step_mixed_groups_per_tensor(optimizer):
-                    rank_zero_info(
-                        "OSDP: parameter groups mixing replicated and sharded parameters step tensor by tensor "
-                        "(foreach=False): torch's foreach kernels refuse plain tensors and DTensors in one list"
-                    )
+            prepare_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _run_planner(self) -> RunPlanner:
         assert self._memory_budget is not None
-        nodes = self._mesh().nodes
         return RunPlanner(
             self._planner,
             budget=self._memory_budget,
@@ -480,18 +469,12 @@ class OSDPStrategy(ParallelStrategy):
             device=self.root_device,
             mp_policy=self._mp_policy,
             step_context=self.precision_plugin.train_step_context,
-            node_groups=(
-                None
-                if nodes is None
-                else NodeGroups(self.num_nodes, nodes.get_group("shard"), nodes.get_group("replicate"))
-            ),
+            node_groups=self._mesh().node_groups(),
             plan_out=self._plan_out,
             is_global_zero=self.is_global_zero,
         )
 
     def _attach_monitor(self, trainer: pl.Trainer) -> None:
-        """The run's :class:`~lightning_osdp.monitor.OSDPMonitor`, among the Trainer's callbacks before its checkpoint
-        callbacks (so that a step's measurement ends before a checkpoint is written)."""
         assert self._plan is not None
         if self._monitor is None or self._monitor.plan is not self._plan:
             self._monitor = OSDPMonitor(
@@ -503,10 +486,7 @@ class OSDPStrategy(ParallelStrategy):
                 profile_file=self._profile_file,
                 memory_steps=self._memory_steps,
             )
-        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by its callback connector
-        if self._monitor not in callbacks:
-            first_checkpoint = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
-            callbacks.insert(first_checkpoint, self._monitor)
+        self._monitor.attach(trainer)
 
     def plan_for(self, profile: ModelProfile, world_size: int | Topology | None = None) -> Plan:
         """The plan this strategy chooses for ``profile`` under its memory budget and planner options, on
@@ -519,11 +499,6 @@ class OSDPStrategy(ParallelStrategy):
             )
         return self._planner.plan(profile, self._memory_budget, world_size or self.topology)
 
-    @rank_zero_only
-    def _report_plan(self, plan: Plan) -> None:
-        budget = format_bytes(self._memory_budget) if self._memory_budget else "n/a"
-        rank_zero_info(f"OSDP: {plan.summary()} on {self.world_size} ranks, memory budget {budget} per device")
-
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -533,10 +508,8 @@ class OSDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``trainer.init_module(empty_init=True)``: parameters on the meta device, materialized after the plan is
-        applied (each rank allocates only what its plan keeps; buffers stay real, see
-        ``lightning_osdp/apply/materialize.py``); otherwise tensors are made on the device, as by Lightning's
-        strategies."""
+        """``trainer.init_module(empty_init=True)``: parameters on meta, materialized after the plan is applied (each
+        rank allocates what its plan keeps; ``lightning_osdp/apply/materialize.py``); otherwise as Lightning's."""
         if empty_init:
             with meta_parameters(), self.precision_plugin.tensor_init_context():
                 yield
@@ -601,101 +574,10 @@ class OSDPStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ state
-    # Checkpoint logic lives in `lightning_osdp.checkpoint`; these methods only pass Lightning's calls on.
-    @property
-    def state_dict_type(self) -> osdp_checkpoint.StateDictType:
-        """``"sharded"`` (a DCP directory, every rank writes its shards) or ``"full"`` (one file from rank 0)."""
-        return self._state_dict_type
-
+    @override
     def _checkpoint_context(self) -> osdp_checkpoint.CheckpointContext:
-        return osdp_checkpoint.CheckpointContext(
-            world_size=self.world_size,
-            plan=self._plan,
-            profile=self.profile,
-            memory_budget=self._requested_budget,
-        )
-
-    def _module(self) -> pl.LightningModule:
-        if self.lightning_module is None:
-            raise RuntimeError("checkpoints need the LightningModule attached to the strategy")
-        return self.lightning_module
-
-    def full_model_state_dict(self) -> dict[str, Any]:
-        """The unsharded model state dict (the model's own keys) in CPU memory on rank 0, empty elsewhere.
-
-        A collective."""
-        return osdp_checkpoint.full_model_state(self._module())
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded: this rank's shards (DTensors; split slices under their slice names until saved). Full: the
-        gathered state on rank 0. A collective for ``"full"``."""
-        if self._state_dict_type == "sharded":
-            return osdp_checkpoint.sharded_model_state(self._module())
-        return osdp_checkpoint.full_model_state(self._module())
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer.optimizer
-        if self._state_dict_type == "sharded":
-            return osdp_checkpoint.sharded_optimizer_state(self._module(), optimizer)
-        return osdp_checkpoint.full_optimizer_state(self._module(), optimizer)
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        # Lightning calls `load_optimizer_state_dict` only when fitting and after checking that the checkpoint has
-        # optimizer states (a clear error for weights-only checkpoints); sharded states are read there, in place.
-        return True
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None and self._state_dict_type == "sharded":
-            raise TypeError(
-                "OSDPStrategy(state_dict_type='sharded') writes with torch.distributed.checkpoint, not the "
-                "CheckpointIO plugin: `storage_options` is not supported"
-            )
-
-        def write_file(content: dict[str, Any], path: Path) -> None:
-            self.checkpoint_io.save_checkpoint(content, path, storage_options=storage_options)
-
-        osdp_checkpoint.save_checkpoint(
-            checkpoint,
-            filepath,
-            module=self._module(),
-            context=self._checkpoint_context(),
-            state_dict_type=self._state_dict_type,
-            write_file=write_file,
-        )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        # Rank 0's path for all: every rank must read the same checkpoint.
-        path = Path(self.broadcast(checkpoint_path))
-        checkpoint = osdp_checkpoint.load_checkpoint(
-            path,
-            read_file=lambda p: self.checkpoint_io.load_checkpoint(p, weights_only=weights_only),
-            weights_only=weights_only,
-        )
-        rank_zero_info(osdp_checkpoint.describe_resume(path, checkpoint, self._checkpoint_context()))
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        osdp_checkpoint.load_model_state(self._module(), checkpoint, strict=strict)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        optimizers = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        osdp_checkpoint.load_optimizer_states(self._module(), optimizers, checkpoint)
-
-    @override
-    def remove_checkpoint(self, filepath: str | Path) -> None:
-        if self.is_global_zero:
-            osdp_checkpoint.remove_checkpoint(filepath)
+        # The requested budget: a resumed run reuses the plan when the user asks for the same one again.
+        return osdp_checkpoint.CheckpointContext(self.world_size, self._plan, self.profile, self._requested_budget)
 
     @override
     def teardown(self) -> None:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_osdp.profiling.collectives import NodeGroups
+
 __all__ = ["CommGroup", "Meshes", "Topology", "TopologyError", "build_meshes"]
 
 
@@ -188,6 +190,15 @@ class Meshes:
     world: DeviceMesh
     hybrid: DeviceMesh
     nodes: DeviceMesh | None
+
+    def node_groups(self) -> NodeGroups | None:
+        """This rank's process groups within and across nodes, where the profile measures the two levels of the
+        network (``None`` on one node)."""
+        from lightning_osdp.profiling.collectives import NodeGroups
+
+        if self.nodes is None:
+            return None
+        return NodeGroups(self.nodes.size(0), self.nodes.get_group("shard"), self.nodes.get_group("replicate"))
 
 
 def build_meshes(device_type: str, topology: Topology) -> Meshes:

@@ -14,12 +14,25 @@ explicitly is told.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["step_mixed_groups_per_tensor"]
+__all__ = ["prepare_optimizers", "step_mixed_groups_per_tensor"]
+
+
+def prepare_optimizers(optimizers: Iterable[Optimizer]) -> None:
+    """:func:`step_mixed_groups_per_tensor` on each of a run's optimizers, telling the user when a group that asked
+    for ``foreach=True`` steps per tensor."""
+    for optimizer in optimizers:
+        if step_mixed_groups_per_tensor(optimizer):
+            rank_zero_info(
+                "OSDP: parameter groups mixing replicated and sharded parameters step tensor by tensor "
+                "(foreach=False): torch's foreach kernels refuse plain tensors and DTensors in one list"
+            )
 
 
 def step_mixed_groups_per_tensor(optimizer: Optimizer) -> list[int]:

@@ -20,6 +20,8 @@ from lightning_osdp.checkpoint.dispatch import (
     load_checkpoint,
     load_model_state,
     load_optimizer_states,
+    model_state,
+    optimizer_state,
     save_checkpoint,
 )
 from lightning_osdp.checkpoint.errors import (
@@ -81,7 +83,9 @@ __all__ = [
     "load_pretrained",
     "load_sharded_model_state",
     "load_sharded_optimizer_state",
+    "model_state",
     "open_sharded_checkpoint",
+    "optimizer_state",
     "read_manifest",
     "read_sharded_tensors",
     "remove_checkpoint",

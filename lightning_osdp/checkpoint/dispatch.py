@@ -1,6 +1,7 @@
 """One entry point per strategy hook, choosing between sharded directories and full files.
 
 The strategy's checkpoint methods call these and nothing else, so that the strategy stays glue: Lightning's
+``lightning_module_state_dict`` -> :func:`model_state`, ``optimizer_state`` -> :func:`optimizer_state`,
 ``save_checkpoint`` -> :func:`save_checkpoint`, ``load_checkpoint`` -> :func:`load_checkpoint`,
 ``load_model_state_dict`` -> :func:`load_model_state`, ``load_optimizer_state_dict`` -> :func:`load_optimizer_states`.
 """
@@ -19,7 +20,13 @@ from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.context import CheckpointContext
 from lightning_osdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_osdp.checkpoint.files import CheckpointReplacedError
-from lightning_osdp.checkpoint.full import load_full_model_state, load_full_optimizer_state, save_full_checkpoint
+from lightning_osdp.checkpoint.full import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    save_full_checkpoint,
+)
 from lightning_osdp.checkpoint.integrity import verify_records
 from lightning_osdp.checkpoint.sharded import (
     ShardedState,
@@ -27,6 +34,8 @@ from lightning_osdp.checkpoint.sharded import (
     load_sharded_optimizer_state,
     open_sharded_checkpoint,
     save_sharded_checkpoint,
+    sharded_model_state,
+    sharded_optimizer_state,
 )
 from lightning_osdp.checkpoint.unpickle import load_torch_file, weights_only_refusal
 
@@ -36,10 +45,27 @@ __all__ = [
     "load_checkpoint",
     "load_model_state",
     "load_optimizer_states",
+    "model_state",
+    "optimizer_state",
     "save_checkpoint",
 ]
 
 StateDictType = Literal["sharded", "full"]
+
+
+def model_state(module: nn.Module, state_dict_type: StateDictType) -> dict[str, Any]:
+    """What Lightning's checkpoint holds of the model. Sharded: this rank's shards (DTensors; split slices under
+    their slice names until saved). Full: the gathered state on rank 0 (a collective)."""
+    return sharded_model_state(module) if state_dict_type == "sharded" else full_model_state(module)
+
+
+def optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state_dict_type: StateDictType
+) -> dict[str, Any]:
+    """What Lightning's checkpoint holds of one optimizer, sharded or gathered as :func:`model_state`."""
+    if state_dict_type == "sharded":
+        return sharded_optimizer_state(module, optimizer)
+    return full_optimizer_state(module, optimizer)
 
 
 def save_checkpoint(
@@ -50,8 +76,19 @@ def save_checkpoint(
     context: CheckpointContext,
     state_dict_type: StateDictType = "sharded",
     write_file: Callable[[dict[str, Any], Path], None] | None = None,
+    storage_options: Any | None = None,
 ) -> Path:
-    """Save Lightning's checkpoint dict as a sharded directory or a full file (a collective, atomic)."""
+    """Save Lightning's checkpoint dict as a sharded directory or a full file (a collective, atomic).
+
+    Raises:
+        TypeError: ``storage_options`` for a sharded checkpoint, which torch.distributed.checkpoint writes, not the
+            ``CheckpointIO`` plugin that takes them.
+    """
+    if storage_options is not None and state_dict_type == "sharded":
+        raise TypeError(
+            "OSDPStrategy(state_dict_type='sharded') writes with torch.distributed.checkpoint, not the "
+            "CheckpointIO plugin: `storage_options` is not supported"
+        )
     if state_dict_type == "sharded":
         return save_sharded_checkpoint(checkpoint, path, module=module, context=context)
     if state_dict_type == "full":
