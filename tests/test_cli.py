@@ -299,6 +299,45 @@ def small_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def _recomputation(path: Path) -> dict[str, int]:
+    plan = Plan.load(path)
+    counts: dict[str, int] = {}
+    for decision in plan.decisions.values():
+        counts[decision.recompute] = counts.get(decision.recompute, 0) + 1
+    return counts
+
+
+def test_plan_takes_activation_checkpointing_from_the_config_and_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """As OSDPStrategy(activation_checkpointing=...) in the config; --activation-checkpointing overrides it."""
+    argv = ["plan", "--memory", "50MiB", "--hardware", "l4-pcie", "--batch-size", "4", "--no-search"]
+    auto = tmp_path / "auto.json"
+    assert osdp(capsys, *argv, "--config", GPT_CONFIG, "--out", auto)[0] == 0
+    chosen = _recomputation(auto)
+    assert chosen.get("full", 0) + chosen.get("selective", 0) > 0, f"the budget needs recomputation: {chosen}"
+    config = tmp_path / "no_recompute.yaml"
+    config.write_text(
+        GPT_CONFIG.read_text().replace("      plan: null", "      plan: null\n      activation_checkpointing: false")
+    )
+    assert read_configs([config]).activation_checkpointing is False
+    argv += ["--model", f"{GPT_FILE}:GPTModule"]  # the copied config lies away from the example's script
+    never = tmp_path / "never.json"
+    assert osdp(capsys, *argv, "--config", config, "--out", never)[0] == 0
+    assert set(_recomputation(never)) == {"none"}
+    full = tmp_path / "full.json"
+    flag = ["--activation-checkpointing", "full"]
+    assert osdp(capsys, *argv, "--config", config, *flag, "--out", full)[0] == 0
+    assert set(_recomputation(full)) == {"none", "full"} and "selective" not in _recomputation(full)
+    config.write_text(
+        GPT_CONFIG.read_text().replace(
+            "      plan: null", "      plan: null\n      activation_checkpointing: sometimes"
+        )
+    )
+    code, _, err = osdp(capsys, *argv, "--config", config)
+    assert code == 2 and "activation_checkpointing='sometimes'" in err
+
+
 def test_show_a_plan_file_with_its_profile(capsys: pytest.CaptureFixture[str], small_plan: Path) -> None:
     path = small_plan
     plan = Plan.load(path)

@@ -49,7 +49,8 @@ class RunConfig:
             ``mixed_precision: bf16``).
         world_size: ``trainer.devices`` times ``trainer.num_nodes``, when both are numbers.
         nodes: ``trainer.num_nodes``, when ``world_size`` is known.
-        memory_budget, memory_headroom, modes, max_split, shard_group_size: the OSDP strategy's init args.
+        memory_budget, memory_headroom, modes, max_split, shard_group_size, activation_checkpointing: the OSDP
+            strategy's init args.
         sources: the config files read.
     """
 
@@ -64,6 +65,7 @@ class RunConfig:
     memory_headroom: float | None = None
     modes: list[str] | None = None
     max_split: int | None = None
+    activation_checkpointing: bool | str | None = None
     sources: list[str] = field(default_factory=list)
 
 
@@ -156,6 +158,15 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
             config.modes = list(strategy_args["modes"])
         if isinstance(strategy_args.get("max_split"), int):
             config.max_split = strategy_args["max_split"]
+        if "activation_checkpointing" in strategy_args:
+            from lightning_osdp.options import check_activation_checkpointing
+
+            try:
+                config.activation_checkpointing = check_activation_checkpointing(
+                    strategy_args["activation_checkpointing"]
+                )
+            except ValueError as err:
+                raise CLIError(f"{', '.join(config.sources)}: {err}") from None
         if strategy_args.get("mixed_precision") == "bf16" and config.precision in ("bf16-mixed", "bf16"):
             config.precision = "bf16-fsdp"  # the dry run's name for bf16-mixed under FSDP2's policy
         if isinstance(strategy_args.get("shard_group_size"), int):

@@ -155,6 +155,13 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="ranks a hybrid_shard unit shards over, as OSDPStrategy(shard_group_size=...) (default: one node's)",
     )
+    planner.add_argument(
+        "--activation-checkpointing",
+        choices=("auto", "selective", "full", "none"),
+        metavar="{auto,selective,full,none}",
+        help="recomputation the planner may choose, as OSDPStrategy(activation_checkpointing=...): auto (per unit, "
+        "where it pays), selective or full on every block, none (default: the config's, else auto)",
+    )
     planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
     planner.add_argument(
         "--solver",

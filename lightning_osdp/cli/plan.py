@@ -51,6 +51,7 @@ from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan, Recomputation
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
+from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
 from lightning_osdp.topology import Topology, TopologyError
 
@@ -97,6 +98,8 @@ class DryRun:
     max_split: int
     time_limit: float
     solver: str
+    #: OSDPStrategy(activation_checkpointing=...)'s values: "auto", "selective", "full"/True, False
+    recompute: Recompute
     #: wall seconds of the stages, for the closing note (profiling, the OSDP solve, the batch search)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -267,7 +270,16 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         max_split=max_split,
         time_limit=args.time_limit,
         solver=args.solver,
+        recompute=_recompute(args.activation_checkpointing, config),
     )
+
+
+def _recompute(flag: str | None, config: RunConfig) -> Recompute:
+    """``--activation-checkpointing`` (``none``: ``False``), else the config's strategy's, else ``"auto"``."""
+    from lightning_osdp.options import check_activation_checkpointing
+
+    chosen = flag if flag is not None else config.activation_checkpointing
+    return "auto" if chosen is None else check_activation_checkpointing(chosen)
 
 
 def _nodes(args: argparse.Namespace, config: RunConfig) -> int | None:
@@ -327,6 +339,7 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
         max_split=run.max_split,
         time_limit=run.time_limit,
         solver=run.solver,
+        recompute=run.recompute,
     )
 
 
@@ -340,6 +353,7 @@ def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]
             max_split=run.max_split,
             time_limit=run.time_limit,
             solver=run.solver,
+            recompute=run.recompute,
         )
         return smallest <= run.budget
 
