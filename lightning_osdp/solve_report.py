@@ -124,7 +124,7 @@ class SolveReport:
         options: options it chose among, over all units.
         modes, splits: the modes and split factors it was allowed.
         solve_seconds: wall time of :func:`~lightning_osdp.solve`, building the problem included.
-        cbc_seconds: the part spent in CBC.
+        cbc_seconds: the part spent in the ILP solver (CBC or HiGHS: the field keeps its name).
         memory_budget_bytes: the budget as the user gave it, when the planning policy (which plans against it less
             a headroom) made the plan; ``None`` when :func:`~lightning_osdp.solve` was called directly, whose
             ``budget_bytes`` is then the user's.

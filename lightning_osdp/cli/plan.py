@@ -642,6 +642,6 @@ def run(args: argparse.Namespace, out: Output) -> int:
     report = rows[0].plan.report
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in dry.seconds.items())
     if report is not None and report.cbc_seconds is not None:
-        stages += f"; of the solve, CBC {report.cbc_seconds:.1f} s"
+        stages += f"; of the solve, {'CBC' if dry.solver == 'cbc' else 'HiGHS'} {report.cbc_seconds:.1f} s"
     out.note(f"dry run took {time.perf_counter() - start:.1f} s ({stages})")
     return 0
