@@ -462,17 +462,16 @@ class PlanningProblem:
         (:func:`_prune` without the time: see [Note: the minimum-memory problem])."""
         spec = self.spec
         if peak_only:
-            spec = dataclasses.replace(
-                spec,
-                items=[
-                    item
-                    if isinstance(item, FreeCosts)
-                    else dataclasses.replace(
-                        item, options={o: item.options[o] for o in _prune(item.options, time=False)}
-                    )
-                    for item in spec.items
-                ],
-            )
+            # Identical segments share one dict of options (see _segment_choices): each is pruned once.
+            kept: dict[int, dict[Hashable, SegmentCosts]] = {}
+            items: list[SegmentChoice | FreeCosts] = []
+            for item in spec.items:
+                if isinstance(item, SegmentChoice):
+                    if id(item.options) not in kept:
+                        kept[id(item.options)] = {o: item.options[o] for o in _prune(item.options, time=False)}
+                    item = dataclasses.replace(item, options=kept[id(item.options)])
+                items.append(item)
+            spec = dataclasses.replace(spec, items=items)
         be = LinearBackend()
         for g in spec.globals:
             be.register(g.key, list(g.options))
@@ -595,7 +594,7 @@ class PlanningProblem:
             trials = [({**rounded, key: o}, o) for o in fractional[key]]
             rounded = min(trials, key=lambda t: incumbent.score(t[0])[0])[0]
             top = incumbent.score(rounded)[0]
-        if not incumbent.offer(rounded):
+        if not incumbent.offer(rounded) or (incumbent.settle_at is not None and incumbent.within_gap()):
             return fractional
         for key in fractional:
             for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
