@@ -132,6 +132,7 @@ __all__ = [
     "PlanningProblem",
     "SolverError",
     "check_solver",
+    "fits_budget",
     "minimum_budget",
     "solve",
 ]
@@ -201,6 +202,8 @@ class Incumbent:
         self.value = math.inf
         self.lower: float | None = None
         self.proof = "LP relaxation"
+        #: a value that settles the question asked (see :func:`_fits`): a plan at or under it, or a bound above it
+        self.settle_at: float | None = None
 
     @property
     def minimises_peak(self) -> bool:
@@ -242,7 +245,12 @@ class Incumbent:
         return math.inf if self.lower is None else _relative_gap(self.value, self.lower)
 
     def within_gap(self) -> bool:
-        """Whether a plan is held and proved within ``gap`` of the optimum."""
+        """Whether a plan is held and proved within ``gap`` of the optimum, or (``settle_at`` set) whether a plan
+        at or under ``settle_at`` is held or a lower bound above it proved: then the search may stop too."""
+        if self.settle_at is not None and (
+            self.value <= self.settle_at or (self.lower is not None and self.lower > self.settle_at * (1 + 1e-9))
+        ):
+            return True
         return self.chosen is not None and self.loss() <= self.gap
 
     def elapsed(self) -> float:
@@ -448,15 +456,29 @@ class PlanningProblem:
         return tuple(rows)
 
     # ------------------------------------------------------------------ ILP
-    def build(self) -> LinearBackend:
-        """The timeline as linear expressions over the option binaries."""
+    def build(self, *, peak_only: bool = False) -> LinearBackend:
+        """The timeline as linear expressions over the option binaries. With ``peak_only`` (for the problem whose
+        objective is the peak), each segment keeps only the options no other option of it beats in memory alone
+        (:func:`_prune` without the time: see [Note: the minimum-memory problem])."""
+        spec = self.spec
+        if peak_only:
+            # Identical segments share one dict of options (see _segment_choices): each is pruned once.
+            kept: dict[int, dict[Hashable, SegmentCosts]] = {}
+            items: list[SegmentChoice | FreeCosts] = []
+            for item in spec.items:
+                if isinstance(item, SegmentChoice):
+                    if id(item.options) not in kept:
+                        kept[id(item.options)] = {o: item.options[o] for o in _prune(item.options, time=False)}
+                    item = dataclasses.replace(item, options=kept[id(item.options)])
+                items.append(item)
+            spec = dataclasses.replace(spec, items=items)
         be = LinearBackend()
-        for g in self.spec.globals:
+        for g in spec.globals:
             be.register(g.key, list(g.options))
-        for item in self.spec.items:
+        for item in spec.items:
             if isinstance(item, SegmentChoice):
                 be.register(item.key, list(item.options))
-        build_timeline(self.spec, be)
+        build_timeline(spec, be)
         return be
 
     def _formulate(
@@ -506,20 +528,30 @@ class PlanningProblem:
 
     # ------------------------------------------------------------------ solving (see [Note: solving])
     def solve_ilp(
-        self, be: LinearBackend, *, budget: int | None, gap: float, time_limit: float, solver: str = SOLVERS[0]
+        self,
+        be: LinearBackend,
+        *,
+        budget: int | None,
+        gap: float,
+        time_limit: float,
+        solver: str = SOLVERS[0],
+        settle_at: int | None = None,
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
         """Minimise step time under ``budget`` (bytes), or (``budget=None``) minimise the peak. Returns the chosen
         option per choice (``None`` when infeasible) and how the solve ended (see [Note: solving]).
 
         The phases run in order, each handing a plan and/or a lower bound to one :class:`Incumbent`, and the
         solve stops as soon as the incumbent is within ``gap`` of the bound; every phase runs on ``solver`` (one of
-        :data:`SOLVERS`)."""
+        :data:`SOLVERS`). With ``settle_at`` (bytes; the peak minimised) the phases also stop once a plan at or
+        under it is held, or a lower bound above it proved (the question :func:`_fits` asks)."""
         check_solver(solver)
         started = time.perf_counter()
         formulated = self._formulate(be, budget)
         if formulated is None:
             return None, SolveResult("infeasible", None, 0.0, math.nan)
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started)
+        if settle_at is not None and budget is None:
+            incumbent.settle_at = _rhs(settle_at)
         # HiGHS runs in process: no files, no child process (see [Note: the MILP solver]).
         workspace = cbc_workspace() if solver == "cbc" else contextlib.nullcontext(None)
         with workspace as workdir:
@@ -562,7 +594,7 @@ class PlanningProblem:
             trials = [({**rounded, key: o}, o) for o in fractional[key]]
             rounded = min(trials, key=lambda t: incumbent.score(t[0])[0])[0]
             top = incumbent.score(rounded)[0]
-        if not incumbent.offer(rounded):
+        if not incumbent.offer(rounded) or (incumbent.settle_at is not None and incumbent.within_gap()):
             return fractional
         for key in fractional:
             for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
@@ -880,9 +912,10 @@ def _fields(c: SegmentCosts) -> list[MemoryParts | None]:
 K = TypeVar("K", bound=Hashable)
 
 
-def _prune(costs: dict[K, SegmentCosts]) -> list[K]:
+def _prune(costs: Mapping[K, SegmentCosts], *, time: bool = True) -> list[K]:
     """Options not dominated by another: one that is no slower and no larger in every term (every term enters the
-    ILP's rows with a non-negative coefficient) can replace it in any plan. Among equals, the first is kept."""
+    ILP's rows with a non-negative coefficient) can replace it in any plan. Among equals, the first is kept. With
+    ``time=False`` the step time is not compared (for the problem whose objective is the peak alone)."""
     keys = list(costs)
     vectors = {k: [None if f is None else f.total for f in _fields(costs[k])] for k in keys}
     flags = {k: (costs[k].frees_pending, costs[k].frees_reduce_input, costs[k].has_final) for k in keys}
@@ -893,12 +926,12 @@ def _prune(costs: dict[K, SegmentCosts]) -> list[K]:
             if j == k or flags[j] != flags[k]:
                 continue
             a, b = vectors[j], vectors[k]
-            no_worse = costs[j].seconds <= costs[k].seconds + 1e-15 and all(
+            no_worse = (not time or costs[j].seconds <= costs[k].seconds + 1e-15) and all(
                 x is None or (y is not None and x <= y) for x, y in zip(a, b, strict=True)
             )
             if not no_worse:
                 continue
-            equal = costs[j].seconds == costs[k].seconds and a == b
+            equal = (not time or costs[j].seconds == costs[k].seconds) and a == b
             if not equal or keys.index(j) < keys.index(k):
                 dominated = True
                 break
@@ -1139,15 +1172,57 @@ def minimum_budget(
     return minimum
 
 
-def _minimum(problem: PlanningProblem, *, gap: float, time_limit: float, solver: str) -> tuple[Plan, int]:
+def _minimum(
+    problem: PlanningProblem, *, gap: float, time_limit: float, solver: str, settle_at: int | None = None
+) -> tuple[Plan, int]:
     """The plan of smallest peak, and the budget :func:`solve` accepts for it: its predicted peak, or the ILP's
-    when larger (the ILP bounds pending buffers after DDP segments from above: timeline.py)."""
-    be = problem.build()
-    chosen, _ = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit, solver=solver)
+    when larger (the ILP bounds pending buffers after DDP segments from above: timeline.py). With ``settle_at``
+    the search stops early once the answer to "is the minimum at most ``settle_at``?" is known (see :func:`_fits`)."""
+    be = problem.build(peak_only=True)
+    chosen, _ = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit, solver=solver, settle_at=settle_at)
     if chosen is None:
         raise SolverError("the minimum-memory problem is infeasible: this is a bug in the cost model")
     plan = problem.plan(chosen)
     return plan, max(problem.predict(plan).peak_bytes, _ilp_figures(be, chosen)[0])
+
+
+def fits_budget(
+    profile: ModelProfile,
+    budget: int,
+    world_size: int | Topology | None = None,
+    *,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    splits: Sequence[int] = (1, 2, 4, 8),
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+    time_limit: float = 10.0,
+    recompute: Recompute = "auto",
+    solver: str = SOLVERS[0],
+) -> bool:
+    """Whether :func:`minimum_budget` (same options, its gap 1e-6) is at most ``budget``: the same answer, found
+    sooner (see :func:`_fits`)."""
+    check_solver(solver)
+    problem = PlanningProblem(
+        profile,
+        world_size or profile.world_size,
+        modes=modes,
+        splits=_splits(splits, max_split),
+        units=units,
+        config=config,
+        recompute=recompute,
+    )
+    return _fits(problem, budget, time_limit=time_limit, solver=solver)
+
+
+def _fits(problem: PlanningProblem, budget: int, *, time_limit: float, solver: str) -> bool:
+    """Whether the minimum-memory plan's budget is at most ``budget``.
+
+    The minimum-memory search (:func:`_minimum`) stops as soon as that is settled: once it holds a plan whose ILP
+    peak is within ``budget`` (the minimum it would end with is no larger), or a lower bound above it (the minimum
+    can be no smaller). Otherwise it runs as :func:`minimum_budget` does, and its answer is compared."""
+    _, minimum = _minimum(problem, gap=1e-6, time_limit=time_limit, solver=solver, settle_at=budget)
+    return minimum <= budget
 
 
 def solve(

@@ -31,10 +31,10 @@ from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.ilp import SOLVERS, InfeasibleBudgetError, minimum_budget, solve
+from lightning_osdp.solver.ilp import SOLVERS, InfeasibleBudgetError, fits_budget, minimum_budget, solve
 from lightning_osdp.topology import Topology
 
-__all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
+__all__ = ["DEFAULT_MEMORY_HEADROOM", "fits_memory_budget", "plan_model", "planned_budget", "smallest_memory_budget"]
 
 #: The fraction of the memory budget the planner keeps free by default (see [Note: headroom]).
 DEFAULT_MEMORY_HEADROOM = 0.02
@@ -149,6 +149,36 @@ def smallest_memory_budget(
         solver=solver,
     )
     return _with_headroom(minimum, _check_headroom(headroom))
+
+
+def fits_memory_budget(
+    profile: ModelProfile,
+    memory_budget: int | str,
+    world_size: int | Topology | None = None,
+    *,
+    headroom: float = DEFAULT_MEMORY_HEADROOM,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    time_limit: float = 10.0,
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+    recompute: Recompute = "auto",
+    solver: str = SOLVERS[0],
+) -> bool:
+    """Whether ``smallest_memory_budget(...) <= memory_budget``, answered without proving the minimum where a plan
+    under the budget, or a bound above it, settles it first (``osdp plan``'s batch search asks this)."""
+    return fits_budget(
+        profile,
+        planned_budget(memory_budget, headroom),
+        world_size,
+        modes=modes,
+        max_split=max_split,
+        time_limit=time_limit,
+        units=units,
+        config=config,
+        recompute=recompute,
+        solver=solver,
+    )
 
 
 def _with_headroom(planned: int, headroom: float) -> int:
