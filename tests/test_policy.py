@@ -20,7 +20,7 @@ from lightning_osdp.solver import (
     smallest_memory_budget,
     solve,
 )
-from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, fits_memory_budget
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 
 from conftest import ROOT
 from synthetic import gpt_profile
@@ -89,12 +89,13 @@ def test_an_infeasible_budget_names_the_smallest_memory_budget_that_passes_with_
 def test_the_fits_question_answers_as_the_smallest_budget_does_around_it(
     profile_and_budget: tuple[object, int], solver: str
 ) -> None:
-    """``osdp plan``'s batch search asks :func:`fits_memory_budget`, which stops early; its answer is the proven
-    minimum's on either side of it (a budget one byte under, at, and far above the smallest)."""
+    """``osdp plan``'s batch search asks ``smallest_memory_budget(settle_at=budget) <= budget``, which stops early;
+    its answer is the proven minimum's on either side of it (a budget one byte under, at, far above and far below)."""
     prof, _ = profile_and_budget
     smallest = smallest_memory_budget(prof, 2, headroom=0.1, solver=solver)  # type: ignore[arg-type]
     for budget, fits in ((smallest - 1, False), (smallest, True), (3 * smallest, True), (smallest // 2, False)):
-        assert fits_memory_budget(prof, budget, 2, headroom=0.1, solver=solver) is fits, budget  # type: ignore[arg-type]
+        settled = smallest_memory_budget(prof, 2, headroom=0.1, solver=solver, settle_at=budget)  # type: ignore[arg-type]
+        assert (settled <= budget) is fits, (budget, settled)
 
 
 def test_the_parsers_default_headroom_is_the_policys() -> None:

@@ -52,7 +52,7 @@ from lightning_osdp.plan import MODES, Plan, Recomputation
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, fits_memory_budget, plan_model, planned_budget
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
 from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
@@ -345,10 +345,8 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
 
 def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]:
     def fits(batch_size: int) -> bool:
-        # smallest_memory_budget(...) <= run.budget, settled as soon as a plan under it or a bound over it is found
-        return fits_memory_budget(
+        smallest = smallest_memory_budget(
             scaled.at(batch_size),
-            run.budget,
             run.topology,
             headroom=run.headroom,
             modes=run.modes,
@@ -356,7 +354,9 @@ def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]
             time_limit=run.time_limit,
             solver=run.solver,
             recompute=run.recompute,
+            settle_at=run.budget,  # only whether some plan fits: settled sooner than the minimum is proved
         )
+        return smallest <= run.budget
 
     return fits
 

@@ -132,7 +132,6 @@ __all__ = [
     "PlanningProblem",
     "SolverError",
     "check_solver",
-    "fits_budget",
     "minimum_budget",
     "solve",
 ]
@@ -202,7 +201,8 @@ class Incumbent:
         self.value = math.inf
         self.lower: float | None = None
         self.proof = "LP relaxation"
-        #: a value that settles the question asked (see :func:`_fits`): a plan at or under it, or a bound above it
+        #: a value that settles the question asked (``minimum_budget(settle_at=...)``): a plan at or under it, or a
+        #: bound above it
         self.settle_at: float | None = None
 
     @property
@@ -543,7 +543,7 @@ class PlanningProblem:
         The phases run in order, each handing a plan and/or a lower bound to one :class:`Incumbent`, and the
         solve stops as soon as the incumbent is within ``gap`` of the bound; every phase runs on ``solver`` (one of
         :data:`SOLVERS`). With ``settle_at`` (bytes; the peak minimised) the phases also stop once a plan at or
-        under it is held, or a lower bound above it proved (the question :func:`_fits` asks)."""
+        under it is held, or a lower bound above it proved (the question ``minimum_budget(settle_at=...)`` asks)."""
         check_solver(solver)
         started = time.perf_counter()
         formulated = self._formulate(be, budget)
@@ -1155,9 +1155,15 @@ def minimum_budget(
     time_limit: float = 10.0,
     recompute: Recompute = "auto",
     solver: str = SOLVERS[0],
+    settle_at: int | None = None,
 ) -> int:
     """The smallest per-device peak (bytes) any plan reaches under the given options: the ILP with the peak as
-    its objective, on ``solver`` (as for :func:`solve`). Budgets below it are infeasible for :func:`solve`."""
+    its objective, on ``solver`` (as for :func:`solve`). Budgets below it are infeasible for :func:`solve`.
+
+    With ``settle_at`` (bytes) only "is the minimum at most ``settle_at``?" is asked: the search stops once it holds
+    a plan within it (the minimum it would end with is no larger) or proves a bound above it (the minimum can be no
+    smaller), and the value returned is then at most ``settle_at`` exactly when the minimum is (``osdp plan``'s batch
+    search asks this)."""
     check_solver(solver)
     problem = PlanningProblem(
         profile,
@@ -1168,7 +1174,7 @@ def minimum_budget(
         config=config,
         recompute=recompute,
     )
-    _, minimum = _minimum(problem, gap=gap, time_limit=time_limit, solver=solver)
+    _, minimum = _minimum(problem, gap=gap, time_limit=time_limit, solver=solver, settle_at=settle_at)
     return minimum
 
 
@@ -1176,53 +1182,14 @@ def _minimum(
     problem: PlanningProblem, *, gap: float, time_limit: float, solver: str, settle_at: int | None = None
 ) -> tuple[Plan, int]:
     """The plan of smallest peak, and the budget :func:`solve` accepts for it: its predicted peak, or the ILP's
-    when larger (the ILP bounds pending buffers after DDP segments from above: timeline.py). With ``settle_at``
-    the search stops early once the answer to "is the minimum at most ``settle_at``?" is known (see :func:`_fits`)."""
+    when larger (the ILP bounds pending buffers after DDP segments from above: timeline.py); ``settle_at`` as for
+    :func:`minimum_budget`."""
     be = problem.build(peak_only=True)
     chosen, _ = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit, solver=solver, settle_at=settle_at)
     if chosen is None:
         raise SolverError("the minimum-memory problem is infeasible: this is a bug in the cost model")
     plan = problem.plan(chosen)
     return plan, max(problem.predict(plan).peak_bytes, _ilp_figures(be, chosen)[0])
-
-
-def fits_budget(
-    profile: ModelProfile,
-    budget: int,
-    world_size: int | Topology | None = None,
-    *,
-    modes: Sequence[str] = MODES,
-    max_split: int = 8,
-    splits: Sequence[int] = (1, 2, 4, 8),
-    units: Iterable[str] | None = None,
-    config: CostModelConfig | None = None,
-    time_limit: float = 10.0,
-    recompute: Recompute = "auto",
-    solver: str = SOLVERS[0],
-) -> bool:
-    """Whether :func:`minimum_budget` (same options, its gap 1e-6) is at most ``budget``: the same answer, found
-    sooner (see :func:`_fits`)."""
-    check_solver(solver)
-    problem = PlanningProblem(
-        profile,
-        world_size or profile.world_size,
-        modes=modes,
-        splits=_splits(splits, max_split),
-        units=units,
-        config=config,
-        recompute=recompute,
-    )
-    return _fits(problem, budget, time_limit=time_limit, solver=solver)
-
-
-def _fits(problem: PlanningProblem, budget: int, *, time_limit: float, solver: str) -> bool:
-    """Whether the minimum-memory plan's budget is at most ``budget``.
-
-    The minimum-memory search (:func:`_minimum`) stops as soon as that is settled: once it holds a plan whose ILP
-    peak is within ``budget`` (the minimum it would end with is no larger), or a lower bound above it (the minimum
-    can be no smaller). Otherwise it runs as :func:`minimum_budget` does, and its answer is compared."""
-    _, minimum = _minimum(problem, gap=1e-6, time_limit=time_limit, solver=solver, settle_at=budget)
-    return minimum <= budget
 
 
 def solve(

@@ -31,10 +31,10 @@ from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.ilp import SOLVERS, InfeasibleBudgetError, fits_budget, minimum_budget, solve
+from lightning_osdp.solver.ilp import SOLVERS, InfeasibleBudgetError, minimum_budget, solve
 from lightning_osdp.topology import Topology
 
-__all__ = ["DEFAULT_MEMORY_HEADROOM", "fits_memory_budget", "plan_model", "planned_budget", "smallest_memory_budget"]
+__all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
 
 #: The fraction of the memory budget the planner keeps free by default (see [Note: headroom]).
 DEFAULT_MEMORY_HEADROOM = 0.02
@@ -134,9 +134,15 @@ def smallest_memory_budget(
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
     solver: str = SOLVERS[0],
+    settle_at: int | str | None = None,
 ) -> int:
     """The smallest ``memory_budget`` (bytes) :func:`plan_model` accepts: the smallest peak any plan reaches,
-    grown by the headroom."""
+    grown by the headroom.
+
+    With ``settle_at`` (a budget) only "does some plan fit it?" is asked, and answered sooner: the value returned is
+    at most ``settle_at`` exactly when the smallest budget is (:func:`~lightning_osdp.solver.minimum_budget`'s
+    ``settle_at``; ``osdp plan``'s batch search asks this)."""
+    headroom = _check_headroom(headroom)
     minimum = minimum_budget(
         profile,
         world_size,
@@ -147,38 +153,9 @@ def smallest_memory_budget(
         config=config,
         recompute=recompute,
         solver=solver,
+        settle_at=None if settle_at is None else planned_budget(settle_at, headroom),
     )
-    return _with_headroom(minimum, _check_headroom(headroom))
-
-
-def fits_memory_budget(
-    profile: ModelProfile,
-    memory_budget: int | str,
-    world_size: int | Topology | None = None,
-    *,
-    headroom: float = DEFAULT_MEMORY_HEADROOM,
-    modes: Sequence[str] = MODES,
-    max_split: int = 8,
-    time_limit: float = 10.0,
-    units: Iterable[str] | None = None,
-    config: CostModelConfig | None = None,
-    recompute: Recompute = "auto",
-    solver: str = SOLVERS[0],
-) -> bool:
-    """Whether ``smallest_memory_budget(...) <= memory_budget``, answered without proving the minimum where a plan
-    under the budget, or a bound above it, settles it first (``osdp plan``'s batch search asks this)."""
-    return fits_budget(
-        profile,
-        planned_budget(memory_budget, headroom),
-        world_size,
-        modes=modes,
-        max_split=max_split,
-        time_limit=time_limit,
-        units=units,
-        config=config,
-        recompute=recompute,
-        solver=solver,
-    )
+    return _with_headroom(minimum, headroom)
 
 
 def _with_headroom(planned: int, headroom: float) -> int:
