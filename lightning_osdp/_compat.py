@@ -339,11 +339,26 @@ def init_dist_connection(
 
     ``lightning.fabric.utilities.distributed._init_dist_connection`` (2.6): every Lightning strategy sets up its group
     with it, and it registers the exit-time destruction of NCCL groups; ``timeout`` and ``device_id`` go to
-    ``torch.distributed.init_process_group``.
-    """
-    from lightning.fabric.utilities.distributed import _init_dist_connection
+    ``torch.distributed.init_process_group``. The groups it creates here are destroyed at exit whatever the backend,
+    with Lightning's ``_destroy_dist_connection`` (2.6), the handler it registers for NCCL.
 
+    [Note: gloo groups at exit]
+    Lightning leaves a gloo group to the interpreter's finalization. A gloo worker thread that has just completed a
+    collective still holds the finished work (and its tensors) for a moment; when the process exits in that moment
+    (a ``start_method="spawn"`` rank returns from its run and ``sys.exit`` follows), the thread releases them while the
+    interpreter is being torn down and the process aborts (SIGABRT, "terminate called without an active exception"),
+    after a run that succeeded. ``destroy_process_group`` at exit shuts every group down first, joining those threads
+    while the interpreter still runs, as torch's own unmerged fix proposes (pytorch/pytorch#179291).
+    """
+    import atexit
+
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
+
+    created = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
+    if created and backend != "nccl":  # Lightning registers it for NCCL
+        atexit.unregister(_destroy_dist_connection)  # once, however many groups a process creates in turn
+        atexit.register(_destroy_dist_connection)
 
 
 def set_num_threads_if_needed(num_processes: int) -> None:

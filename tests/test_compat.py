@@ -13,6 +13,7 @@ import inspect
 import re
 import subprocess
 import sys
+import textwrap
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -78,6 +79,7 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
         (None, "gloo"),
         {"timeout": None, "device_id": None},
     ),
+    "lightning.fabric.utilities.distributed._destroy_dist_connection": ((), {}),
     "lightning.fabric.utilities.distributed._sync_ddp_if_available": ((None, None), {"reduce_op": "mean"}),
     "lightning.fabric.utilities.optimizer._optimizers_to_device": (([], "cpu"), {}),
     "lightning.fabric.strategies._StrategyRegistry.register": (
@@ -381,6 +383,31 @@ def test_init_dist_connection_leaves_an_existing_group_alone(world1: object) -> 
     group = torch.distributed.group.WORLD
     _compat.init_dist_connection(LightningEnvironment(), "gloo", timeout=timedelta(seconds=30), device_id=None)
     assert torch.distributed.group.WORLD is group
+
+
+def test_a_gloo_group_created_here_is_destroyed_before_the_interpreter_finalizes(tmp_path: Path) -> None:
+    """See [Note: gloo groups at exit]: the group is gone by the time the exit handlers registered before it run."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import atexit
+            from datetime import timedelta
+
+            import torch.distributed as dist
+            from lightning.fabric.plugins.environments import LightningEnvironment
+
+            from lightning_osdp import _compat
+
+            atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after later ones
+            _compat.init_dist_connection(LightningEnvironment(), "gloo", timeout=timedelta(seconds=30), device_id=None)
+            print("initialized:", dist.is_initialized())
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "initialized: True" in out.stdout and "initialized at exit: False" in out.stdout, out.stdout
 
 
 def test_the_strategy_builds_lightnings_launchers() -> None:

@@ -86,6 +86,20 @@ def test_bad_plans_fail_before_training(plan: Plan, message: str) -> None:
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
 
 
+class _DestroyGlooGroupAtExit(L.Callback):
+    """Lightning's ``ddp_spawn`` leaves its gloo group to the interpreter's finalization, where a rank can abort after
+    a run that succeeded (see [Note: gloo groups at exit] in ``lightning_osdp/_compat.py``, which OSDP's groups
+    avoid). The reference run's ranks register the same exit handler, so that a flake of Lightning's does not fail
+    this test."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import atexit
+
+        from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+        atexit.register(_destroy_dist_connection)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_spawn_launcher_returns_trained_weights_to_the_main_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +122,8 @@ def test_spawn_launcher_returns_trained_weights_to_the_main_process(monkeypatch:
         L.seed_everything(0)
         model = TinyGPT()
         initial = {k: v.clone() for k, v in model.state_dict().items()}
-        _trainer(strategy, devices=2, max_steps=3).fit(model, train)
+        callbacks = [_DestroyGlooGroupAtExit()] if name == "ddp" else []
+        _trainer(strategy, devices=2, max_steps=3, callbacks=callbacks).fit(model, train)
         results[name] = (initial, {k: v.clone() for k, v in model.state_dict().items()})
     for key, trained in results["osdp"][1].items():
         torch.testing.assert_close(trained, results["ddp"][1][key], rtol=1e-5, atol=1e-7, msg=key)
