@@ -8,7 +8,7 @@ and runs it where that is cheap, so an upgrade that moves one fails there, namin
 far from the cause. Besides the names below, OSDP overrides or calls a few private hooks of the classes it extends,
 which cannot move here: Lightning's ``Strategy._configure_launcher``, ``Strategy._launcher``,
 ``Strategy._reset_optimizers_and_schedulers`` and ``_MultiProcessingLauncher._collect_rank_zero_results``,
-``_wrapping_function`` and ``_recover_results_in_main_process`` (``strategy.py``, ``launcher.py``), torch's
+``_wrapping_function`` and ``_recover_results_in_main_process`` (``processes.py``, ``launcher.py``), torch's
 ``ShardedGradScaler._unscale_grads_`` (``precision.py``); and it relies on ``Strategy._forward_redirection`` routing
 ``training_step`` through the FSDP2 root's forward. The tests check those too.
 

@@ -1,8 +1,10 @@
 """``OSDPStrategy``: the Lightning glue around profile -> solve -> apply -> checkpoint.
 
 The strategy owns no algorithm: it resolves a plan (given, loaded, or profiled and solved), hands it to the
-executor, times the steps and speaks Lightning's protocol (launchers, samplers, gradient-sync blocking,
-checkpoints).
+executor, attaches the step monitor and speaks Lightning's step protocol (precision, gradient-sync blocking). It
+inherits the rest of Lightning's protocol: the ranks, launchers and collectives from
+:class:`~lightning_osdp.processes.ProcessGroupStrategy`, the checkpoint hooks from
+:class:`~lightning_osdp.checkpoint.strategy.CheckpointingStrategy`.
 """
 
 from __future__ import annotations
@@ -16,15 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -36,25 +33,22 @@ from lightning_osdp import options, preemption
 from lightning_osdp._compat import (
     DDPForwardRedirection,
     fit_ckpt_path,
-    init_dist_connection,
     optimizers_to_device,
-    sync_ddp_if_available,
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, applied_root, apply_plan, no_gradient_sync
 from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
 from lightning_osdp.apply.optimizer import prepare_optimizers
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.checkpoint.strategy import CheckpointingStrategy
-from lightning_osdp.launcher import _OSDPMultiProcessingLauncher
 from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.planning import PlannerOptions, RunPlanner
 from lightning_osdp.precision import OSDPPrecision, osdp_precision
+from lightning_osdp.processes import ProcessGroupStrategy, StartMethod
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import SetupMeter, StepMonitor
 from lightning_osdp.topology import Meshes, Topology, TopologyError, build_meshes
-from lightning_osdp.watchdog import _OSDPSubprocessScriptLauncher
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,7 +58,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OSDPStrategy"]
 
-_StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 # [Note: mixed precision]
 # Lightning's `bf16-mixed` is autocast over fp32 parameters: a sharded unit gathers fp32, and autocast then makes a
@@ -89,7 +82,7 @@ _StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 # * The default stays `None`: Lightning's plugins alone, the behaviour that matches Lightning's DDP bit for bit.
 
 
-class OSDPStrategy(CheckpointingStrategy):
+class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
     """Optimal Sharded Data Parallel: each module replicated (DDP) or sharded (ZeRO-2/ZeRO-3), as a plan says.
 
     ``docs/configuration.md`` says what each argument does, its default and the values it takes; in short:
@@ -138,7 +131,7 @@ class OSDPStrategy(CheckpointingStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = None,
-        start_method: _StartMethod = "popen",
+        start_method: StartMethod = "popen",
         memory_steps: int = 3,
         state_dict_type: osdp_checkpoint.StateDictType = "sharded",
         modes: Sequence[str] = MODES,
@@ -156,17 +149,6 @@ class OSDPStrategy(CheckpointingStrategy):
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        self._memory_budget = options.check_memory_budget(memory_budget)
-        # What the user asked for (None: the device's capacity, which drifts between runs on a CPU); a resumed run
-        # reuses its checkpoint's plan when this is unchanged.
-        self._requested_budget = self._memory_budget
         self._planner = PlannerOptions.checked(
             modes=modes,
             max_split=max_split,
@@ -175,15 +157,26 @@ class OSDPStrategy(CheckpointingStrategy):
             memory_headroom=memory_headroom,
             solver=solver,
         )
+        self._plan: Plan | None = options.check_plan(plan)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=options.check_process_group_backend(process_group_backend),
+            timeout=options.check_timeout(
+                timeout, solver_time_limit=self._planner.time_limit, planning=self._plan is None
+            ),
+            start_method=options.check_start_method(start_method),
+        )
+        self._memory_budget = options.check_memory_budget(memory_budget)
+        # What the user asked for (None: the device's capacity, which drifts between runs on a CPU); a resumed run
+        # reuses its checkpoint's plan when this is unchanged.
+        self._requested_budget = self._memory_budget
         self._plan_out = options.check_plan_out(plan_out)
         self._profile: ModelProfile | None = None
         self._profile_file: Path | None = None  # where rank 0 saved it, to record a measured correction in
-        self._plan: Plan | None = options.check_plan(plan)
-        self._process_group_backend = options.check_process_group_backend(process_group_backend)
-        self._timeout = options.check_timeout(
-            timeout, solver_time_limit=self._planner.time_limit, planning=self._plan is None
-        )
-        self._start_method = options.check_start_method(start_method)
         self._shard_group_size = options.check_shard_group_size(shard_group_size)
         self._meshes: Meshes | None = None
         self._memory_steps = options.check_memory_steps(memory_steps)
@@ -194,7 +187,6 @@ class OSDPStrategy(CheckpointingStrategy):
         self._monitor: OSDPMonitor | None = None
         self._setup_peak: int | None = None
         self._root: OSDPModule | ReplicatedModule | None = None
-        self.num_nodes = 1
         # DDP's: in manual optimization `manual_backward` runs inside the redirected forward, where DDP's reducer must
         # not prepare a backward of its own (`pre_backward` prepares it).
         self._forward_redirection = DDPForwardRedirection()
@@ -229,11 +221,6 @@ class OSDPStrategy(CheckpointingStrategy):
     def mixed_precision(self) -> MixedPrecisionPolicy | None:
         """FSDP2's mixed-precision policy of the sharded units (``None``: Lightning's precision plugin alone)."""
         return self._mp_policy
-
-    @property
-    def timeout(self) -> timedelta:
-        """The process-group timeout: how long a collective waits for a rank before the run fails."""
-        return self._timeout
 
     @property
     def profile(self) -> ModelProfile | None:
@@ -306,30 +293,6 @@ class OSDPStrategy(CheckpointingStrategy):
     # ------------------------------------------------------------------ Lightning's protocol
     @property
     @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:
-        # NOTE: Lightning skips distributed samplers and `sync_dist` unless a strategy it does not know says so.
-        return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
-    @override
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin
         return plugin if plugin is not None else OSDPPrecision()
@@ -358,37 +321,17 @@ class OSDPStrategy(CheckpointingStrategy):
         )
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _OSDPSubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes, exit_wait=self._timeout
-            )
-        else:
-            self._launcher = _OSDPMultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _default_backend(self.root_device)
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
         # Ranks numbered node by node: rows of the hybrid mesh are shard groups (lightning_osdp/topology.py).
         self._meshes = build_meshes(self.root_device.type, self.topology)
 
+    @override
     def set_world_ranks(self) -> None:
         # Lightning calls this when the Trainer is built, once `num_nodes` and `devices` are known: the earliest moment
         # the shard group can be checked against them.
         _ = self.topology
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        super().set_world_ranks()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -547,52 +490,8 @@ class OSDPStrategy(CheckpointingStrategy):
         with no_gradient_sync(self.model):
             yield
 
-    # ------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op)
-        return tensor
-
     # ------------------------------------------------------------------ state
     @override
     def _checkpoint_context(self) -> osdp_checkpoint.CheckpointContext:
         # The requested budget: a resumed run reuses the plan when the user asks for the same one again.
         return osdp_checkpoint.CheckpointContext(self.world_size, self._plan, self.profile, self._requested_budget)
-
-    @override
-    def teardown(self) -> None:
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-
-
-def _distributed_is_initialized() -> bool:
-    # `is_initialized` exists only in builds with distributed support.
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _default_backend(device: torch.device) -> str:
-    # torch's own map of device types to backends (cpu: gloo, cuda: nccl, ...), the one Lightning's strategies read.
-    return torch.distributed.Backend.default_device_backend_map.get(device.type, "gloo")
