@@ -88,9 +88,8 @@ def test_bad_plans_fail_before_training(plan: Plan, message: str) -> None:
 
 class _DestroyGlooGroupAtExit(L.Callback):
     """Lightning's ``ddp_spawn`` leaves its gloo group to the interpreter's finalization, where a rank can abort after
-    a run that succeeded (see [Note: gloo groups at exit] in ``lightning_osdp/_compat.py``, which OSDP's groups
-    avoid). The reference run's ranks register the same exit handler, so that a flake of Lightning's does not fail
-    this test."""
+    a run that succeeded (see [Note: gloo groups at exit] in ``lightning_osdp/_compat.py``). The reference run's ranks
+    register the exit handler OSDP's register, so that Lightning's DDP ranks are no more exposed than OSDP's."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         import atexit
