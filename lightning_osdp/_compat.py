@@ -30,7 +30,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -350,7 +350,9 @@ def init_dist_connection(
     proposal, pytorch/pytorch#179291). It joins them only when nothing else holds the group: a sharded model's
     DTensors keep their device mesh, and with it the group, alive, and then its gloo threads outlive the call
     (measured after a fit; ``tests/clean_exit.py`` found the same in the test scripts, which therefore end with
-    ``os._exit``). The handler is registered all the same: it removes the abort wherever the groups are released.
+    ``os._exit``). The handler is registered all the same: it removes the abort wherever the groups are released. A
+    ``spawn`` rank of OSDP's launcher, whose model holds its groups, ends without the finalization instead
+    (:func:`end_spawned_process`), as forked ranks always do.
     """
     import atexit
 
@@ -465,3 +467,30 @@ def fit_ckpt_path(trainer: pl.Trainer) -> str | None:
             return str(path) if path else None
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def end_spawned_process() -> NoReturn:
+    """End a ``spawn``-started worker whose work is done the way a forked one ends: everything Python's exit does
+    except the interpreter's finalization, then ``os._exit(0)``.
+
+    A forked worker (``multiprocessing``'s fork and forkserver start methods) returns from its run into
+    ``Process._bootstrap``, which runs ``multiprocessing.util._exit_function`` (finalizers such as a queue's feeder
+    thread join; daemonic children ended) and ``threading._shutdown`` (non-daemon threads joined), and then ends with
+    ``os._exit``. A spawned one does the same but then calls ``sys.exit``, and the interpreter's exit handlers run
+    and then its finalization, where a gloo group whose threads a sharded model keeps alive can abort the process
+    ([Note: gloo groups at exit]). Here the three steps run in that order, the exit handlers through
+    ``atexit._run_exitfuncs`` (the function the interpreter calls at exit, which runs and clears them in reverse
+    order of registration), the streams are flushed, and the process ends with status 0. The three are private
+    (CPython 3.10-3.13: ``multiprocessing.util._exit_function``, ``threading._shutdown``, ``atexit._run_exitfuncs``).
+    """
+    import atexit
+    import multiprocessing.util
+    import os
+    import threading
+
+    multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -10,6 +10,10 @@ A run preempted by SIGTERM (every rank stops after the same step, ``lightning_os
 ``SIGTERMException`` in each worker before any result is sent, and Lightning's main process would wait for rank 0's
 results forever. Rank 0 sends a marker instead, and the main process raises ``SIGTERMException`` too. (Lightning runs
 no ``on_exception`` hook in spawned workers, so a checkpoint on preemption needs ``start_method="popen"``.)
+
+A ``spawn`` worker whose run succeeded, its results sent, ends as a forked worker ends: its exit handlers run, the
+interpreter's finalization does not (``lightning_osdp._compat.end_spawned_process``): there a gloo group, kept alive
+by the sharded model's DTensors, can abort the process after a successful run ([Note: gloo groups at exit]).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lightning_osdp._compat import MultiProcessingLauncher, WorkerOutput
+from lightning_osdp._compat import MultiProcessingLauncher, WorkerOutput, end_spawned_process
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,6 +58,8 @@ class _OSDPMultiProcessingLauncher(MultiProcessingLauncher):
             if process_idx == 0:
                 return_queue.put(_Preempted())
             raise
+        if self._start_method == "spawn":
+            end_spawned_process()  # results sent: end as a forked worker ends ([Note: gloo groups at exit])
 
     @override
     def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:

@@ -410,6 +410,48 @@ def test_a_gloo_group_created_here_is_destroyed_before_the_interpreter_finalizes
     assert "initialized: True" in out.stdout and "initialized at exit: False" in out.stdout, out.stdout
 
 
+def test_a_spawned_process_ends_with_its_exit_handlers_and_threads_but_no_finalization(tmp_path: Path) -> None:
+    script = tmp_path / "spawned.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import atexit, os, sys, threading, time
+            import multiprocessing as mp
+
+            from lightning_osdp import _compat
+
+            class Finalized:
+                def __del__(self):
+                    print("finalized", flush=True)
+
+            def work(out):
+                global KEPT
+                KEPT = Finalized()  # a module global: the interpreter's finalization would delete it
+                atexit.register(lambda: open(os.path.join(out, "atexit"), "w").write("ran"))
+
+                def late():
+                    time.sleep(0.5)
+                    open(os.path.join(out, "thread"), "w").write("ran")
+
+                threading.Thread(target=late).start()  # not a daemon: joined before the end
+                _compat.end_spawned_process()
+
+            if __name__ == "__main__":
+                process = mp.get_context("spawn").Process(target=work, args=(sys.argv[1],))
+                process.start()
+                process.join()
+                print("exitcode", process.exitcode)
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "exitcode 0" in out.stdout and "finalized" not in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "ran"
+
+
 def test_the_strategy_builds_lightnings_launchers() -> None:
     popen = L.Trainer(strategy=OSDPStrategy(), accelerator="cpu", devices=2, logger=False)
     assert isinstance(popen.strategy.launcher, _compat.SubprocessScriptLauncher)

@@ -99,10 +99,25 @@ class _DestroyGlooGroupAtExit(L.Callback):
         atexit.register(_destroy_dist_connection)
 
 
+class _MarkAtExit(L.Callback):
+    """Registers an exit handler in each rank that writes ``rank<N>`` into ``folder``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import atexit
+
+        atexit.register((self.folder / f"rank{trainer.global_rank}").write_text, "ran")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_spawn_launcher_returns_trained_weights_to_the_main_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The main process gets the full trained weights back, equal to Lightning's ``ddp_spawn``."""
+def test_spawn_launcher_returns_trained_weights_to_the_main_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The main process gets the full trained weights back, equal to Lightning's ``ddp_spawn``; the ranks end without
+    the interpreter's finalization and still run their exit handlers (``lightning_osdp/launcher.py``)."""
     from conftest import free_port
 
     train, _ = loaders(n=16)
@@ -121,12 +136,13 @@ def test_spawn_launcher_returns_trained_weights_to_the_main_process(monkeypatch:
         L.seed_everything(0)
         model = TinyGPT()
         initial = {k: v.clone() for k, v in model.state_dict().items()}
-        callbacks = [_DestroyGlooGroupAtExit()] if name == "ddp" else []
+        callbacks = [_DestroyGlooGroupAtExit()] if name == "ddp" else [_MarkAtExit(tmp_path)]
         _trainer(strategy, devices=2, max_steps=3, callbacks=callbacks).fit(model, train)
         results[name] = (initial, {k: v.clone() for k, v in model.state_dict().items()})
     for key, trained in results["osdp"][1].items():
         torch.testing.assert_close(trained, results["ddp"][1][key], rtol=1e-5, atol=1e-7, msg=key)
     assert any(not torch.equal(results["osdp"][0][k], v) for k, v in results["osdp"][1].items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
 def test_version_and_public_names() -> None:
