@@ -197,6 +197,22 @@ def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
     assert "count relaxation" in bounds
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_array_scoring_of_a_plan_equals_the_evaluation_of_every_row(seed):
+    # The solver scores the plans its phases offer with LinearBackend.peak and step_time (arrays, a sum over the chosen
+    # options); they must be the evaluator's figures (every auxiliary from its definition, the optimizer step's
+    # maximum included), on plans that mix every mode, split and recomputation option.
+    problem = PlanningProblem(gpt_profile(depth=6, width=64, tied=True), 2, splits=(1, 2, 4), recompute="auto")
+    be = problem.build()
+    rng = random.Random(seed)
+    assert any(v.maximum_of for v in be.variables)
+    for _ in range(20):
+        chosen = {key: rng.choice(options) for key, options in be.options.items()}
+        evaluate = be.evaluator(chosen)
+        assert be.peak(chosen) == pytest.approx(max(evaluate(e) for _, e in be.checkpoints), rel=1e-12)
+        assert be.step_time(chosen) == pytest.approx(evaluate(be.objective), rel=1e-12)
+
+
 def test_a_plan_never_exceeds_the_budget_it_was_solved_for():
     profile = gpt_profile(depth=6, width=64)
     low, high = peaks(profile)

@@ -212,9 +212,8 @@ class Incumbent:
 
     def score(self, chosen: Mapping[Hashable, Hashable]) -> tuple[float, float]:
         """``chosen``'s peak (MiB) and its value (step time in ms, or the peak when that is minimised)."""
-        ev = self.be.evaluator(chosen)
-        top = max(ev(e) for _, e in self.be.checkpoints)
-        return top, (top if self.rhs is None else ev(self.be.objective))
+        top = self.be.peak(chosen)
+        return top, (top if self.rhs is None else self.be.step_time(chosen))
 
     def fits(self, top: float) -> bool:
         """Whether a peak of ``top`` MiB meets the budget."""
@@ -367,7 +366,7 @@ class PlanningProblem:
         by_entry = {s.entry: s for s in self.candidates.segments}
         # Identical segments (same shapes and figures: the blocks of a Transformer) share their simulations and
         # pruning: on deep models that is most of the solver's Python time.
-        cache: dict[tuple[Any, ...], tuple[list[SegmentOption], dict[Hashable, SegmentCosts]]] = {}
+        cache: dict[tuple[Any, ...], tuple[list[SegmentOption], dict[Hashable, SegmentCosts], tuple[int, int]]] = {}
         items: list[SegmentChoice | FreeCosts] = []
         classes: dict[tuple[Any, ...], list[Hashable]] = {}
         for item in self.layout.items:
@@ -376,14 +375,15 @@ class PlanningProblem:
                 continue
             signature = (self._signature(item), tuple(n[len(item) :] for n in by_entry[item].inner))
             if signature not in cache:
-                cache[signature] = self._simulate_options(by_entry[item])
-            relative, kept_costs = cache[signature]
+                bounds = segment_bounds(self.info, item, self.layout.excluded)
+                cache[signature] = (*self._simulate_options(by_entry[item]), bounds)
+            relative, kept_costs, bounds = cache[signature]
             classes.setdefault(signature, []).append(item)
             for j, option in enumerate(relative):
                 decisions = tuple((item + name[len(relative_entry(option)) :], d) for name, d in option.decisions)
                 self.option_decisions[(item, j)] = decisions
                 self.option_labels[(item, j)] = option.label
-            items.append(SegmentChoice(item, kept_costs, *segment_bounds(self.info, item, self.layout.excluded)))
+            items.append(SegmentChoice(item, kept_costs, *bounds))
         return items, classes
 
     def _simulate_options(
@@ -1137,9 +1137,7 @@ def _splits(splits: Sequence[int], max_split: int) -> tuple[int, ...]:
 
 
 def _ilp_figures(be: LinearBackend, chosen: dict[Hashable, Hashable]) -> tuple[int, float]:
-    ev = be.evaluator(chosen)
-    peak = max(ev(e) for _, e in be.checkpoints) * MIB
-    return round(peak), ev(be.objective) / 1e3
+    return round(be.peak(chosen) * MIB), be.step_time(chosen) / 1e3
 
 
 def minimum_budget(
@@ -1292,7 +1290,7 @@ def _check_replicated(
     across DDP segments]); a plan that shards nothing has none, so it is checked exactly. (The ILP's step time is
     the predictor's, so only a faster replicated plan is predicted.)"""
     replicated = _all_no_shard(problem, be)
-    if replicated is not None and (chosen is None or _ilp_figures(be, replicated)[1] < _ilp_figures(be, chosen)[1]):
+    if replicated is not None and (chosen is None or be.step_time(replicated) < be.step_time(chosen)):
         exact = problem.predict(problem.plan(replicated))
         if exact.peak_bytes <= budget:
             if chosen is None:
