@@ -7,7 +7,6 @@ shared with the predictor.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -177,8 +176,7 @@ class LinearBackend:
 
     def peak(self, chosen: Mapping[Hashable, Hashable]) -> float:
         """The largest checkpoint (MiB) under ``chosen``: :meth:`evaluator` over every checkpoint, in arrays (the
-        solver scores every plan its phases offer with it: on 2,000 planning units a Python loop over the rows'
-        terms took a fifth of a second a plan)."""
+        solver scores every plan its phases offer with it, so it is on the solve's path)."""
         compiled = self._compiled
         if compiled is None or compiled.sizes != (len(self.variables), len(self.checkpoints)):
             compiled = self._compiled = _Compiled(self)
@@ -239,7 +237,7 @@ class _Compiled:
         rows = np.bincount(
             self.row_of_term, weights=self.coefficient_of_term * values[self.variable_of_term], minlength=self.sizes[1]
         )
-        return float((rows + self.row_constants).max()) if self.sizes[1] else -math.inf
+        return float((rows + self.row_constants).max())
 
 
 def _clean(name: str) -> str:
