@@ -19,22 +19,36 @@ added seconds (exposed communication, copies, optimizer, overhead) are precomput
 (``max(0, communication - overlap * its compute)``), so the objective is linear.
 
 [Note: solving]
-The LP relaxation is solved first (integrality dropped): it is a lower bound, and in practice only one or two
-choices come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan
-that fits; when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise the
-count relaxation below tightens the bound and may place a better plan; then a small branch and bound over the
-fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses, and failing that
+The LP relaxation is solved first (integrality dropped): it is a lower bound, and in practice only a few choices
+come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan that fits;
+when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise three
+phases follow, each stopping the solve once the gap is proved ([Note: the order of the phases] says in which order
+and why): a small branch and bound over the fractional choices and a spread of others (the rest fixed) looks for
+the swaps rounding misses; a short run of the solver's branch and bound on the whole problem tries to prove the
+incumbent at once; the count relaxation below tightens the bound and may place a better plan. Failing them,
 the solver's branch and bound (CBC's or HiGHS's, see [Note: the MILP solver]) runs on the whole problem with
 ``gapRel`` and ``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its
 status and bound decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility
 (then the smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
 feasibility pump alone takes longer than the whole LP-and-round path.
 
-Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_tighten_by_counts``,
-``_search_neighbourhood``, ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces
+Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_search_neighbourhood``, ``_probe``,
+``_tighten_by_counts``, ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces
 the one held only if it fits and is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the
 incumbent says when the plan held is within the gap (the solve then stops) and what proves it. Every CBC run of
 one solve writes its files in one directory (``cbc.py``'s [Note: CBC's files and processes]).
+
+[Note: the order of the phases]
+Each middle phase proves a different kind of instance, and each costs time where it does not: the cheapest
+first. The neighbourhood is bounded by its size; on a deep model the plan it finds is what comes within the gap
+(the swaps of a few blocks that rounding misses), and on a shallow one, where it would free every choice, it is
+the whole problem and is left to the last phase. The probe is the last phase's own search cut short: with the
+incumbent as its cutoff the solver's cuts often prove the gap at the root, where the count relaxation would
+spend a few seconds moving the bound by hundredths of a percent. The count relaxation closes what neither does
+when the LP's loss is a fraction of one of a few identical blocks (its bound is then the optimum), and tightens
+the bound the other phases report otherwise. Minimising the peak (``minimum_budget``) keeps the count relaxation
+first and runs no probe: on the planning benchmark that order found the minimum sooner. The figures are in
+``docs/benchmarks.md`` ("Planning speed").
 
 [Note: identical segments]
 A Transformer's blocks are identical segments: same options, same costs. The step time depends only on how many
@@ -79,7 +93,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -131,6 +145,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "PlanningProblem",
     "SolverError",
+    "check_gap",
     "check_solver",
     "minimum_budget",
     "solve",
@@ -561,12 +576,18 @@ class PlanningProblem:
                 return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
             if status == pulp.LpStatusOptimal and incumbent.lower is not None:
                 fractional = self._round_relaxation(f, incumbent)
-                if incumbent.within_gap():
-                    return incumbent.result()
-                self._tighten_by_counts(f, incumbent, time_limit / 4)
-                if incumbent.within_gap():
-                    return incumbent.result()
-                self._search_neighbourhood(f, incumbent, fractional, time_limit / 4)
+                # The order of the phases between rounding and the last: see [Note: the order of the phases].
+                phases: list[Callable[[], None]] = [
+                    lambda: self._search_neighbourhood(f, incumbent, fractional, time_limit / 4),
+                    lambda: self._probe(f, incumbent, time_limit / 10),
+                    lambda: self._tighten_by_counts(f, incumbent, time_limit / 4),
+                ]
+                if incumbent.minimises_peak:
+                    phases = [phases[2], phases[0]]
+                for phase in phases:
+                    if incumbent.within_gap():
+                        return incumbent.result()
+                    phase()
                 if incumbent.within_gap():
                     return incumbent.result()
             return self._branch_and_bound(f, incumbent, time_limit)
@@ -607,7 +628,7 @@ class PlanningProblem:
         return fractional
 
     def _tighten_by_counts(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> None:
-        """Phase 2: rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it
+        """Rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it
         (see [Note: identical segments]); its solution is offered when whole, and its counts placed otherwise."""
         if not self.classes:
             return
@@ -632,10 +653,10 @@ class PlanningProblem:
         fractional: Mapping[Hashable, Sequence[Hashable]],
         time_limit: float,
     ) -> None:
-        """Phase 3: rounding lost more than the gap: re-optimise a few choices around the incumbent, the rest
+        """Rounding lost more than the gap: re-optimise a few choices around the incumbent, the rest
         fixed (see :meth:`_neighbourhood`)."""
-        if incumbent.chosen is None or len(f.be.options) <= _NEIGHBOURHOOD:
-            return
+        if incumbent.chosen is None or len(f.be.options) < 2 * _NEIGHBOURHOOD:
+            return  # every choice would be free (see _neighbourhood): the whole problem, the last phase's
         start = incumbent.chosen
         incumbent.offer(
             self._neighbourhood(
@@ -643,31 +664,58 @@ class PlanningProblem:
             )
         )
 
-    def _branch_and_bound(
+    def _probe(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> None:
+        """The last phase's branch and bound for a short ``time_limit``, before the count relaxation: with the
+        incumbent's cutoff, the solver's own cuts often prove the gap at its root (see [Note: the order of the
+        phases]). A plan it finds is offered; a search it completes raises the bound."""
+        try:
+            chosen, result = self._whole_problem(f, incumbent, time_limit)
+        except SolverError:
+            return  # no plan better than the incumbent by the gap found in the time: the phases go on
+        if result.status == "infeasible":
+            if incumbent.chosen is not None:  # the cutoff: no plan beats the incumbent by more than the gap
+                incumbent.raise_bound(incumbent.value * (1 - incumbent.gap), "branch and bound")
+            return
+        if chosen is None or not incumbent.fits(incumbent.score(chosen)[0]):
+            return  # the solver's values break a row (see _run_cbc's NOTE): neither a plan nor a proof
+        incumbent.offer(chosen)
+        if not result.status.startswith("time limit") and result.gap is not None:
+            incumbent.raise_bound(result.objective * (1 - result.gap), "branch and bound")
+
+    def _whole_problem(
         self, f: _Formulation, incumbent: Incumbent, time_limit: float
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-        """Phase 4: CBC's branch and bound on the whole problem, for what time is left. With an incumbent, CBC only
-        looks for plans better than it by more than the gap (a cutoff): "infeasible" then proves the incumbent
-        is within the gap of the optimum."""
+        """The solver's branch and bound on the whole problem for ``time_limit`` seconds, the gap asked for and,
+        with an incumbent, its cutoff (only plans better than it by more than the gap are searched); raises
+        :class:`SolverError` when it finds no plan in the time."""
         gap, lower = incumbent.gap, incumbent.lower
-        left = max(time_limit - incumbent.elapsed(), 1.0)
         # CBC's relative gap ignores the objective's constant (the compute time every plan pays); the gap asked
         # for is relative to the predicted step time, so it is also given as an absolute gap.
         absolute = gap * abs(lower) if lower is not None and not incumbent.minimises_peak else None
         constant = f.prob.objective.constant if f.prob.objective is not None else 0.0
         cutoff = None if incumbent.chosen is None else incumbent.value * (1 - gap) - constant
+        return _run_mip(
+            f.solver,
+            f.prob,
+            f.be,
+            f.xs,
+            gap=gap,
+            absolute_gap=absolute,
+            time_limit=time_limit,
+            cutoff=cutoff,
+            workdir=f.workdir,
+        )
+
+    def _branch_and_bound(
+        self, f: _Formulation, incumbent: Incumbent, time_limit: float
+    ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+        """The last phase: the solver's branch and bound on the whole problem, for what time is left. With an
+        incumbent, the solver only looks for plans better than it by more than the gap (a cutoff): "infeasible"
+        then proves the incumbent is within the gap of the optimum."""
+        gap, lower = incumbent.gap, incumbent.lower
+        left = max(time_limit - incumbent.elapsed(), 1.0)
         try:
-            chosen, result = _run_mip(
-                f.solver,
-                f.prob,
-                f.be,
-                f.xs,
-                gap=gap,
-                absolute_gap=absolute,
-                time_limit=left,
-                cutoff=cutoff,
-                workdir=f.workdir,
-            )
+            chosen, result = self._whole_problem(f, incumbent, left)
         except SolverError:
             if incumbent.chosen is None or lower is None:
                 raise
@@ -963,6 +1011,16 @@ def check_solver(solver: str) -> str:
     return solver
 
 
+def check_gap(gap: Any) -> float:
+    """``gap`` if it is a relative optimality gap the solve can stop at (a finite number in ``[0, 1)``), else a
+    ``TypeError``/``ValueError`` saying what is accepted."""
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)):
+        raise TypeError(f"gap must be a number in [0, 1) (a relative optimality gap, e.g. 1e-3), got {gap!r}")
+    if not 0 <= gap < 1:
+        raise ValueError(f"gap must be in [0, 1) (a relative optimality gap, e.g. 1e-3), got {gap!r}")
+    return float(gap)
+
+
 def _lp_command(solver: str, workdir: str | None, *, time_limit: float) -> pulp.LpSolver:
     """The LP relaxation's solver (integrality dropped)."""
     if solver == "highs":
@@ -1240,6 +1298,7 @@ def solve(
     from lightning_osdp.budget import parse_memory_budget
 
     check_solver(solver)
+    check_gap(gap)
     budget = parse_memory_budget(memory_budget)
     ws = world_size or profile.world_size
     started = time.perf_counter()
