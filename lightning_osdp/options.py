@@ -182,6 +182,16 @@ def check_solver_time_limit(value: Any) -> float:
     return _seconds("solver_time_limit", value)
 
 
+def check_solver_gap(value: Any) -> float:
+    """A relative optimality gap in ``[0, 1)`` (``lightning_osdp.solver.ilp.check_gap``)."""
+    from lightning_osdp.solver.ilp import check_gap
+
+    try:
+        return check_gap(value)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"OSDPStrategy(solver_gap=...): {err}") from None
+
+
 def check_solver(value: Any) -> str:
     """One of ``lightning_osdp.solver.ilp.SOLVERS`` that is installed (``"highs"`` needs ``highspy``)."""
     from lightning_osdp.solver.ilp import check_solver

@@ -48,6 +48,7 @@ class PlannerOptions:
     time_limit: float
     headroom: float
     solver: str = "cbc"
+    gap: float = 1e-3
 
     @classmethod
     def checked(
@@ -59,6 +60,7 @@ class PlannerOptions:
         solver_time_limit: Any,
         memory_headroom: Any,
         solver: Any = "cbc",
+        solver_gap: Any = 1e-3,
     ) -> PlannerOptions:
         """The options, each checked (``TypeError``/``ValueError`` naming the argument)."""
         return cls(
@@ -68,6 +70,7 @@ class PlannerOptions:
             time_limit=options.check_solver_time_limit(solver_time_limit),
             headroom=options.check_memory_headroom(memory_headroom),
             solver=options.check_solver(solver),
+            gap=options.check_solver_gap(solver_gap),
         )
 
     def plan(self, profile: ModelProfile, budget: int, topology: int | Topology) -> Plan:
@@ -83,6 +86,7 @@ class PlannerOptions:
             max_split=self.max_split,
             recompute=self.activation_checkpointing,
             time_limit=self.time_limit,
+            gap=self.gap,
             solver=self.solver,
         )
 

@@ -104,6 +104,9 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             ``"selective"`` or ``"full"``/``True`` (every unit with activations), ``False`` (never).
         plan_out: where the solved plan is saved (its profile beside it); default ``osdp_plan.json`` in the log dir.
         solver_time_limit: seconds the ILP solver may take; the plan records whether it is proven optimal.
+        solver_gap: the relative optimality gap the solve stops at (of the predicted step time; ``1e-3``: a plan
+            proved within 0.1% of the fastest). A larger gap plans sooner on deep models whose bound is slow to
+            prove (``docs/benchmarks.md``, "Planning speed").
         solver: the ILP's solver, ``"cbc"`` (pulp's bundled CBC) or ``"highs"`` (HiGHS in process, ``highspy``).
         memory_headroom: the fraction of the budget the planner keeps free, as ``osdp plan --memory`` does.
         mixed_precision: ``None``, ``"bf16"`` or a ``MixedPrecisionPolicy`` for the sharded units (with the autocast
@@ -146,6 +149,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
         solver: str = "cbc",
+        solver_gap: float = 1e-3,
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
@@ -156,6 +160,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             solver_time_limit=solver_time_limit,
             memory_headroom=memory_headroom,
             solver=solver,
+            solver_gap=solver_gap,
         )
         self._plan: Plan | None = options.check_plan(plan)
         super().__init__(

@@ -64,6 +64,10 @@ from models import TinyGPT
         ({"plan": 3}, TypeError, "plan=...) takes a lightning_osdp.Plan or a plan file path"),
         ({"plan": ""}, PlanError, "plan=...): the plan file path is empty"),
         ({"solver": "glpk"}, ValueError, "solver=...): solver must be one of 'cbc', 'highs', got 'glpk'"),
+        ({"solver_gap": "0.01"}, TypeError, "solver_gap=...): gap must be a number in [0, 1)"),
+        ({"solver_gap": -1e-3}, ValueError, "solver_gap=...): gap must be in [0, 1) (a relative optimality gap"),
+        ({"solver_gap": 1.0}, ValueError, "solver_gap=...): gap must be in [0, 1)"),
+        ({"solver_gap": math.nan}, ValueError, "solver_gap=...): gap must be in [0, 1)"),
     ],
 )
 def test_each_bad_argument_fails_at_construction_naming_it(
@@ -103,8 +107,10 @@ def test_valid_values_are_kept_in_the_strategy_s_units() -> None:
         modes=["full_shard", "no_shard", "full_shard"],
         max_split=2,
         memory_headroom=0,
+        solver_gap=0.01,
     )
     assert strategy.memory_budget == 4_000_000_000
+    assert strategy.planner_options.gap == 0.01 and OSDPStrategy().planner_options.gap == 1e-3
     assert strategy.timeout == timedelta(seconds=90)
     assert strategy.planner_options.time_limit == 3.0 and strategy._memory_steps == 0
     assert strategy.process_group_backend == "gloo"
@@ -158,6 +164,7 @@ def test_lightning_cli_yaml_accepts_every_valid_value(tmp_path: Path) -> None:
         "numbers": (
             "memory_budget: 4e9\ntimeout: 300\nsolver_time_limit: 5\nmemory_steps: 0\nmax_split: 2\n"
             "memory_headroom: 0.1\nmodes: [no_shard, full_shard]\nprocess_group_backend: gloo\nsolver: highs\n"
+            "solver_gap: 0.01\n"
             f"plan_out: {tmp_path / 'out' / 'plan.json'}\nstart_method: spawn\nstate_dict_type: full\n"
         ),
         "strings": f'memory_budget: "512MiB"\ntimeout: "0:02:30"\nplan: {plan_path}\n',
@@ -176,7 +183,7 @@ def test_lightning_cli_yaml_accepts_every_valid_value(tmp_path: Path) -> None:
     numbers, strings = strategies["numbers"], strategies["strings"]
     assert numbers.memory_budget == 4_000_000_000 and numbers.timeout == timedelta(seconds=300)
     assert numbers.planner_options.modes == ("no_shard", "full_shard") and numbers._memory_steps == 0
-    assert numbers.planner_options.solver == "highs"
+    assert numbers.planner_options.solver == "highs" and numbers.planner_options.gap == 0.01
     assert numbers._plan_out == tmp_path / "out" / "plan.json" and numbers.state_dict_type == "full"
     assert strings.memory_budget == 512 * 2**20 and strings.timeout == timedelta(minutes=2, seconds=30)
     assert strings.plan is not None and strings.plan.decisions == Plan.load(plan_path).decisions

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from lightning_osdp import OSDPStrategy, Plan, predict
+from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import DEFAULT_MEMORY_HEADROOM_TEXT, SOLVERS, add_plan_parser
 from lightning_osdp.cli.plan import _solve, resolve
@@ -101,6 +102,21 @@ def test_the_fits_question_answers_as_the_smallest_budget_does_around_it(
 def test_the_parsers_default_headroom_is_the_policys() -> None:
     assert float(DEFAULT_MEMORY_HEADROOM_TEXT) == DEFAULT_MEMORY_HEADROOM
     assert SOLVERS == ilp.SOLVERS  # and its solvers, default first
+
+
+def test_the_gap_reaches_the_solve_from_the_strategy_and_the_cli(profile_and_budget: tuple[object, int]) -> None:
+    prof, budget = profile_and_budget
+    strategy = OSDPStrategy(memory_budget=budget, solver_gap=0.05)
+    run = resolve(_dry_run_args("--memory", str(budget), "--world-size", "2", "--gap", "0.05"), Output(quiet=True))
+    for plan in (strategy.plan_for(prof, 2), _solve(run, prof)):  # type: ignore[arg-type]
+        assert plan.report is not None and plan.report.gap == 0.05
+        assert plan.report.status in ("optimal", "within gap 0.05")
+    default = resolve(_dry_run_args("--memory", str(budget), "--world-size", "2"), Output(quiet=True))
+    assert default.gap == 1e-3 == OSDPStrategy().planner_options.gap
+    with pytest.raises(CLIError, match=r"--gap: gap must be in \[0, 1\)"):
+        resolve(_dry_run_args("--memory", str(budget), "--world-size", "2", "--gap", "1"), Output(quiet=True))
+    with pytest.raises(ValueError, match=r"gap must be in \[0, 1\)"):
+        solve(prof, budget, 2, gap=-0.1)  # type: ignore[arg-type]
 
 
 def test_the_solver_choice_reaches_the_ilp_from_the_strategy_and_the_cli(

@@ -164,6 +164,13 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
     planner.add_argument(
+        "--gap",
+        type=float,
+        default=1e-3,
+        metavar="G",
+        help="relative optimality gap the OSDP solve stops at, as OSDPStrategy(solver_gap=...) (default: %(default)g)",
+    )
+    planner.add_argument(
         "--solver",
         choices=SOLVERS,
         default=SOLVERS[0],

@@ -98,6 +98,8 @@ class DryRun:
     max_split: int
     time_limit: float
     solver: str
+    #: the relative optimality gap of the OSDP solve (``--gap``)
+    gap: float
     #: OSDPStrategy(activation_checkpointing=...)'s values: "auto", "selective", "full"/True, False
     recompute: Recompute
     #: wall seconds of the stages, for the closing note (profiling, the OSDP solve, the batch search)
@@ -270,8 +272,19 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         max_split=max_split,
         time_limit=args.time_limit,
         solver=args.solver,
+        gap=_gap(args.gap),
         recompute=_recompute(args.activation_checkpointing, config),
     )
+
+
+def _gap(value: float) -> float:
+    """``--gap``, checked (a relative optimality gap in [0, 1))."""
+    from lightning_osdp.solver.ilp import check_gap
+
+    try:
+        return check_gap(value)
+    except ValueError as err:
+        raise CLIError(f"--gap: {err}") from None
 
 
 def _recompute(flag: str | None, config: RunConfig) -> Recompute:
@@ -338,6 +351,7 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
         modes=run.modes,
         max_split=run.max_split,
         time_limit=run.time_limit,
+        gap=run.gap,
         solver=run.solver,
         recompute=run.recompute,
     )
