@@ -727,6 +727,13 @@ class PlanningProblem:
             chosen = None
             if incumbent.chosen is None:
                 return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
+        if result.status.startswith("time limit") and chosen is not None and lower is not None:
+            # Stopped on time with a plan: the faster of it and the incumbent, with the tighter of the two bounds
+            # (the solver's dual bound, the relaxations'), so that the status says what gap is proved.
+            incumbent.offer(chosen)
+            if result.gap is not None:
+                incumbent.raise_bound(result.objective * (1 - result.gap), "branch and bound")
+            return incumbent.result() if incumbent.within_gap() else incumbent.timed_out()
         if incumbent.chosen is not None:
             if chosen is None:
                 status = "optimal" if gap <= 1e-9 else f"within gap {gap:g}"
