@@ -21,6 +21,8 @@ from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
 from lightning_osdp.solve_report import PredictionSummary, SolveReport
 from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, format_plan, minimum_budget, solve
 from lightning_osdp.solver.candidates import segment_options
+from lightning_osdp.solver.ilp import Incumbent
+from lightning_osdp.solver.linear import LinearBackend
 
 from synthetic import gloo_like_collectives, gpt_profile
 
@@ -458,3 +460,18 @@ def test_an_unknown_solver_is_refused_naming_the_choices():
     profile = gpt_profile(depth=1, width=32)
     with pytest.raises(ValueError, match="'cbc', 'highs'"):
         solve(profile, "1GiB", solver="gurobi")
+
+
+@pytest.mark.parametrize("gap", [1e-9, 1e-6, 1e-3, 1e-2])
+def test_a_search_that_finds_nothing_under_the_cutoff_proves_the_gap(gap):
+    # A branch and bound run with the cutoff value * (1 - gap) that ends infeasible proves the incumbent within the gap:
+    # the bound it sets must read as within the gap for every value, though value - value * (1 - gap) rounds (for
+    # half of all values, above gap * value).
+    rng = random.Random(0)
+    incumbent = Incumbent(LinearBackend(), budget=2**30, gap=gap, started=0.0)
+    for value in [rng.uniform(1.0, 1e6) for _ in range(2000)]:
+        incumbent.chosen, incumbent.value, incumbent.lower = {}, value, None
+        incumbent.raise_bound(value * (1 - gap), "branch and bound")
+        assert incumbent.within_gap(), value
+        incumbent.lower = value * (1 - 2 * gap)
+        assert not incumbent.within_gap(), value

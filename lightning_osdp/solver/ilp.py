@@ -265,7 +265,7 @@ class Incumbent:
             self.value <= self.settle_at or (self.lower is not None and self.lower > self.settle_at * (1 + 1e-9))
         ):
             return True
-        return self.chosen is not None and self.loss() <= self.gap
+        return self.chosen is not None and self.loss() <= self.gap + _ROUNDING
 
     def elapsed(self) -> float:
         """Seconds since the solve started."""
@@ -274,7 +274,7 @@ class Incumbent:
     def result(self) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
         """The incumbent as the solve's answer: optimal, or within the gap the bound proves."""
         achieved = self.loss()
-        status = "optimal" if achieved <= 1e-9 else f"within gap {self.gap:g}"
+        status = "optimal" if achieved <= 1e-9 + _ROUNDING else f"within gap {self.gap:g}"
         return self.chosen, SolveResult(status, achieved, self.elapsed(), self.value, self.proof)
 
     def timed_out(self) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
@@ -296,6 +296,11 @@ class _Formulation:
     be: LinearBackend
     solver: str
     workdir: str | None
+
+
+#: How far a relative gap may read above the one proved: a bound of ``value * (1 - gap)`` (what a cutoff search that
+#: finds nothing proves) gives ``(value - bound) / value`` above ``gap`` by a rounding for half of all values.
+_ROUNDING = 1e-12
 
 
 def _relative_gap(value: float, lower: float) -> float:
