@@ -28,6 +28,7 @@ from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.collectives import NodeGroups
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solver.ilp import DEFAULT_GAP
 from lightning_osdp.solver.resolve import Resolution, resolve_plan
 from lightning_osdp.topology import Topology
 
@@ -48,7 +49,7 @@ class PlannerOptions:
     time_limit: float
     headroom: float
     solver: str = "cbc"
-    gap: float = 1e-3
+    gap: float = DEFAULT_GAP
 
     @classmethod
     def checked(
@@ -60,7 +61,7 @@ class PlannerOptions:
         solver_time_limit: Any,
         memory_headroom: Any,
         solver: Any = "cbc",
-        solver_gap: Any = 1e-3,
+        solver_gap: Any = DEFAULT_GAP,
     ) -> PlannerOptions:
         """The options, each checked (``TypeError``/``ValueError`` naming the argument)."""
         return cls(

@@ -46,6 +46,7 @@ from lightning_osdp.planning import PlannerOptions, RunPlanner
 from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.processes import ProcessGroupStrategy, StartMethod
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.solver.ilp import DEFAULT_GAP
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import SetupMeter, StepMonitor
 from lightning_osdp.topology import Meshes, Topology, TopologyError, build_meshes
@@ -149,7 +150,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
         solver: str = "cbc",
-        solver_gap: float = 1e-3,
+        solver_gap: float = DEFAULT_GAP,
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)

@@ -10,7 +10,7 @@ import pytest
 from lightning_osdp import OSDPStrategy, Plan, predict
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.output import Output
-from lightning_osdp.cli.parsers import DEFAULT_MEMORY_HEADROOM_TEXT, SOLVERS, add_plan_parser
+from lightning_osdp.cli.parsers import DEFAULT_GAP, DEFAULT_MEMORY_HEADROOM_TEXT, SOLVERS, add_plan_parser
 from lightning_osdp.cli.plan import _solve, resolve
 from lightning_osdp.solver import (
     InfeasibleBudgetError,
@@ -102,6 +102,7 @@ def test_the_fits_question_answers_as_the_smallest_budget_does_around_it(
 def test_the_parsers_default_headroom_is_the_policys() -> None:
     assert float(DEFAULT_MEMORY_HEADROOM_TEXT) == DEFAULT_MEMORY_HEADROOM
     assert SOLVERS == ilp.SOLVERS  # and its solvers, default first
+    assert DEFAULT_GAP == ilp.DEFAULT_GAP  # and its gap
 
 
 def test_the_gap_reaches_the_solve_from_the_strategy_and_the_cli(profile_and_budget: tuple[object, int]) -> None:

@@ -19,6 +19,8 @@ from lightning_osdp.cli.hardware import HARDWARE, NETWORKS
 DEFAULT_MEMORY_HEADROOM_TEXT = "0.02"
 # NOTE: lightning_osdp.solver.ilp.SOLVERS, written out for the same reason (the same test keeps them equal).
 SOLVERS = ("cbc", "highs")
+# NOTE: lightning_osdp.solver.ilp.DEFAULT_GAP, written out for the same reason (the same test keeps them equal).
+DEFAULT_GAP = 1e-3
 
 __all__ = [
     "COMMANDS",
@@ -166,7 +168,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     planner.add_argument(
         "--gap",
         type=float,
-        default=1e-3,
+        default=DEFAULT_GAP,
         metavar="G",
         help="relative optimality gap the OSDP solve stops at, as OSDPStrategy(solver_gap=...) (default: %(default)g)",
     )

@@ -141,6 +141,7 @@ from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
 from lightning_osdp.topology import Topology
 
 __all__ = [
+    "DEFAULT_GAP",
     "SOLVERS",
     "InfeasibleBudgetError",
     "PlanningProblem",
@@ -153,6 +154,9 @@ __all__ = [
 
 #: The MILP solvers a solve may run its phases on (see [Note: the MILP solver]); the first is the default.
 SOLVERS = ("cbc", "highs")
+
+#: The relative optimality gap a solve stops at by default (of the predicted step time).
+DEFAULT_GAP = 1e-3
 
 
 class InfeasibleBudgetError(ValueError):
@@ -1268,7 +1272,7 @@ def solve(
     modes: Sequence[str] = MODES,
     max_split: int = 8,
     splits: Sequence[int] = (1, 2, 4, 8),
-    gap: float = 1e-3,
+    gap: float = DEFAULT_GAP,
     time_limit: float = 10.0,
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,

@@ -31,7 +31,7 @@ from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.ilp import SOLVERS, InfeasibleBudgetError, minimum_budget, solve
+from lightning_osdp.solver.ilp import DEFAULT_GAP, SOLVERS, InfeasibleBudgetError, minimum_budget, solve
 from lightning_osdp.topology import Topology
 
 __all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
@@ -60,7 +60,7 @@ def plan_model(
     modes: Sequence[str] = MODES,
     max_split: int = 8,
     time_limit: float = 10.0,
-    gap: float = 1e-3,
+    gap: float = DEFAULT_GAP,
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
