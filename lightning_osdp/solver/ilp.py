@@ -89,11 +89,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import numbers
 import os
 import re
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -252,6 +254,16 @@ class Incumbent:
             return False
         self.chosen, self.value = candidate, value
         return True
+
+    def take(self, chosen: dict[Hashable, Hashable] | None, result: SolveResult) -> None:
+        """What a branch and bound on the whole problem returned: its plan (:meth:`offer`) and the bound its gap
+        proves from that plan's value (its dual bound; with a cutoff, nodes at or above it hold no better plan).
+        Nothing when its values break a row of the problem (see ``_run_cbc``'s NOTE)."""
+        if chosen is None or not self.fits(self.score(chosen)[0]):
+            return
+        self.offer(chosen)
+        if result.gap is not None:
+            self.raise_bound(result.objective * (1 - result.gap), "branch and bound")
 
     def raise_bound(self, bound: float, proof: str) -> None:
         """Take ``bound`` (proved by ``proof``) if it is tighter than the lower bound held."""
@@ -586,13 +598,10 @@ class PlanningProblem:
             if status == pulp.LpStatusOptimal and incumbent.lower is not None:
                 fractional = self._round_relaxation(f, incumbent)
                 # The order of the phases between rounding and the last: see [Note: the order of the phases].
-                phases: list[Callable[[], None]] = [
-                    lambda: self._search_neighbourhood(f, incumbent, fractional, time_limit / 4),
-                    lambda: self._probe(f, incumbent, time_limit / 10),
-                    lambda: self._tighten_by_counts(f, incumbent, time_limit / 4),
-                ]
-                if incumbent.minimises_peak:
-                    phases = [phases[2], phases[0]]
+                neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional, time_limit / 4)
+                probe = functools.partial(self._probe, f, incumbent, time_limit / 10)
+                counts = functools.partial(self._tighten_by_counts, f, incumbent, time_limit / 4)
+                phases = [counts, neighbourhood] if incumbent.minimises_peak else [neighbourhood, probe, counts]
                 for phase in phases:
                     if incumbent.within_gap():
                         return incumbent.result()
@@ -685,11 +694,7 @@ class PlanningProblem:
             if incumbent.chosen is not None:  # the cutoff: no plan beats the incumbent by more than the gap
                 incumbent.raise_bound(incumbent.value * (1 - incumbent.gap), "branch and bound")
             return
-        if chosen is None or not incumbent.fits(incumbent.score(chosen)[0]):
-            return  # the solver's values break a row (see _run_cbc's NOTE): neither a plan nor a proof
-        incumbent.offer(chosen)
-        if not result.status.startswith("time limit") and result.gap is not None:
-            incumbent.raise_bound(result.objective * (1 - result.gap), "branch and bound")
+        incumbent.take(chosen, result)
 
     def _whole_problem(
         self, f: _Formulation, incumbent: Incumbent, time_limit: float
@@ -739,9 +744,7 @@ class PlanningProblem:
         if result.status.startswith("time limit") and chosen is not None and lower is not None:
             # Stopped on time with a plan: the faster of it and the incumbent, with the tighter of the two bounds
             # (the solver's dual bound, the relaxations'), so that the status says what gap is proved.
-            incumbent.offer(chosen)
-            if result.gap is not None:
-                incumbent.raise_bound(result.objective * (1 - result.gap), "branch and bound")
+            incumbent.take(chosen, result)
             return incumbent.result() if incumbent.within_gap() else incumbent.timed_out()
         if incumbent.chosen is not None:
             if chosen is None:
@@ -1030,9 +1033,9 @@ def check_solver(solver: str) -> str:
 def check_gap(gap: Any) -> float:
     """``gap`` if it is a relative optimality gap the solve can stop at (a finite number in ``[0, 1)``), else a
     ``TypeError``/``ValueError`` saying what is accepted."""
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)):
+    if isinstance(gap, bool) or not isinstance(gap, numbers.Real):
         raise TypeError(f"gap must be a number in [0, 1) (a relative optimality gap, e.g. 1e-3), got {gap!r}")
-    if not 0 <= gap < 1:
+    if not 0 <= float(gap) < 1:
         raise ValueError(f"gap must be in [0, 1) (a relative optimality gap, e.g. 1e-3), got {gap!r}")
     return float(gap)
 
