@@ -21,6 +21,7 @@ from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
 from lightning_osdp.solve_report import PredictionSummary, SolveReport
 from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem, format_plan, minimum_budget, solve
 from lightning_osdp.solver.candidates import segment_options
+from lightning_osdp.solver.cbc import CachedMPSProblem
 from lightning_osdp.solver.ilp import Incumbent
 from lightning_osdp.solver.linear import LinearBackend
 
@@ -475,3 +476,54 @@ def test_a_search_that_finds_nothing_under_the_cutoff_proves_the_gap(gap):
         assert incumbent.within_gap(), value
         incumbent.lower = value * (1 - 2 * gap)
         assert not incumbent.within_gap(), value
+
+
+@pytest.mark.parametrize(
+    ("profile", "world_size"),
+    [
+        (gpt_profile(depth=6, width=64, tied=True), 2),
+        (random_profile(3, 3, blocks=True, world_size=3), 3),
+        (gpt_profile(depth=4, width=64, world_size=4, tied=False), 4),
+    ],
+)
+def test_the_peak_from_the_problems_own_simulations_is_the_prediction(profile, world_size):
+    # solve checks the plan that shards nothing against the budget with PlanningProblem.peak_bytes before predicting
+    # it: it must be predict's peak (for it and for every other plan), or a plan that fits would be passed over.
+    problem = PlanningProblem(profile, world_size, splits=(1, 2, 4), recompute="auto")
+    be = problem.build()
+    replicated = {key: options[0] for key, options in be.options.items()}
+    assert {d.mode for key, o in replicated.items() for _, d in problem.option_decisions[(key, o)]} == {"no_shard"}
+    rng = random.Random(0)
+    plans = [replicated, *({key: rng.choice(options) for key, options in be.options.items()} for _ in range(10))]
+    for chosen in plans:
+        assert problem.peak_bytes(chosen) == predict(profile, problem.plan(chosen), world_size).peak_bytes
+
+
+def test_the_cbc_model_file_is_pulps_byte_for_byte_through_every_phase(tmp_path):
+    # The phases change bounds and categories only; CachedMPSProblem writes the rows once and must still write the
+    # file pulp's own writer writes after each change (see cbc.py's [Note: one model file per solve]).
+    problem = PlanningProblem(gpt_profile(depth=6, width=64, tied=True), 2, splits=(1, 2), recompute="auto")
+    be = problem.build()
+    formulated = problem._formulate(be, 10**9)
+    assert formulated is not None
+    prob, xs, counts = formulated
+    assert isinstance(prob, CachedMPSProblem) and problem.classes
+
+    def same(mip: int = 1) -> None:
+        mine = prob.writeMPS(str(tmp_path / "mine.mps"), rename=1, mip=mip)
+        pulps = pulp.LpProblem.writeMPS(prob, str(tmp_path / "pulp.mps"), rename=1, mip=mip)
+        assert (tmp_path / "mine.mps").read_bytes() == (tmp_path / "pulp.mps").read_bytes()
+        assert [v.name for v in mine[0]] == [v.name for v in pulps[0]] and mine[1:] == pulps[1:]
+
+    same()
+    same(mip=0)  # the LP relaxation's run
+    for x in xs[: len(xs) // 3]:
+        x.cat = pulp.LpContinuous  # the count relaxation
+    for n in counts.values():
+        n.lowBound = n.upBound = 1  # counts held
+    for x in xs[-20:]:
+        x.lowBound = x.upBound = 0  # the neighbourhood's fixed choices
+    same()
+    prob += xs[0] + xs[1] <= 1  # a new row: the cached text is dropped
+    same()
+    assert "C" + f"{len(prob.constraints) - 1:07d}" in (tmp_path / "mine.mps").read_text()

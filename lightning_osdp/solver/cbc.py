@@ -23,6 +23,17 @@ limit. Three ways were considered:
   (``SIGKILL``, ``SIGTERM`` during a solve in another thread) the next solve sweeps: a directory whose owner
   process is gone is removed, and a CBC still running on it is killed (until then, it runs at most to its time
   limit). On systems without ``/proc``, CBC processes are not found: an orphan runs to its time limit.
+
+[Note: one model file per solve]
+pulp writes the whole model to an MPS file for every CBC run, and the phases of one solve run CBC up to six times
+on the same rows: each changes only bounds (variables fixed, counts held) and categories (binaries made
+continuous). Writing the file is pulp formatting every nonzero in Python, about as long as CBC's own LP solve on
+deep models (1 s for the 566,774 nonzeros of 2,000 planning units). :class:`CachedMPSProblem` formats the rows, the
+columns and the right-hand side once, on the first write, and writes only the integer markers and the bounds again
+on the later ones; the file is byte for byte the one pulp writes (``tests/test_cbc.py``), so CBC sees the same
+model. The matrix is therefore not changed in place once written: adding a row or an objective through pulp drops
+the cached text, changing a row's coefficients in place is not seen (the planner builds its rows once, in
+``PlanningProblem._formulate``).
 """
 
 from __future__ import annotations
@@ -38,15 +49,108 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import pulp
+from pulp import constants
+from pulp.mps_lp import writeMPSBoundLines
 
-__all__ = ["PREFIX", "cbc_command", "cbc_workspace", "sweep_abandoned"]
+__all__ = ["PREFIX", "CachedMPSProblem", "cbc_command", "cbc_workspace", "sweep_abandoned"]
 
 #: Every solve's directory starts with this, under :func:`tempfile.gettempdir`.
 PREFIX = "osdp_cbc_"
+
+
+# pulp's own line formats (``pulp.mps_lp``), kept as %-formats: the file is pulp's byte for byte, and on this
+# machine they format the numbers faster than f-strings do.
+_COLUMN = "    %-8s  %-8s  % .12e\n"
+_RHS = "    RHS       %-8s  % .12e\n"
+_INTORG = "    MARK      'MARKER'                 'INTORG'\n"
+_INTEND = "    MARK      'MARKER'                 'INTEND'\n"
+
+
+@dataclass(frozen=True)
+class _ModelText:
+    """The parts of an MPS file that bounds and categories do not change, with pulp's names for them."""
+
+    variables: list[pulp.LpVariable]
+    variable_names: dict[str, str]
+    constraint_names: dict[str, str]
+    head: str  # NAME, ROWS and the COLUMNS header
+    columns: list[str]  # per variable (in ``variables`` order): its coefficient lines and its objective line
+    rhs: str  # the RHS section
+    key: tuple[int, int, int]  # what the text was made from: the objective, the number of rows and of variables
+
+
+class CachedMPSProblem(pulp.LpProblem):
+    """A ``pulp.LpProblem`` whose MPS file is formatted once and then only updated in its bounds and integer
+    markers (see [Note: one model file per solve]); the file is the one ``pulp.LpProblem.writeMPS`` writes."""
+
+    _text: _ModelText | None = None
+
+    def addConstraint(self, constraint: pulp.LpConstraint, name: str | None = None) -> None:
+        self._text = None
+        super().addConstraint(constraint, name)
+
+    def writeMPS(
+        self, filename: str, mpsSense: int = 0, rename: int = 0, mip: int = 1, with_objsense: bool = False
+    ) -> Any:
+        """pulp's ``writeMPS``; with ``rename`` (as pulp's CBC runs call it) from the cached text."""
+        objective = self.objective
+        if (
+            not rename
+            or with_objsense
+            or mpsSense not in (0, self.sense)
+            or objective is None
+            or objective.isNumericalConstant()  # pulp adds a dummy variable to it while writing
+        ):
+            return super().writeMPS(filename, mpsSense=mpsSense, rename=rename, mip=mip, with_objsense=with_objsense)
+        key = (id(objective), len(self.constraints), len(self._variables))
+        if self._text is None or self._text.key != key:
+            self._text = self._format(objective)
+        text = self._text
+        objective.name = "OBJ"  # as pulp's writer names it
+        integer = pulp.LpInteger
+        parts = [f"*SENSE:{constants.LpSenses[self.sense]}\n", text.head]
+        for v, lines in zip(text.variables, text.columns, strict=True):
+            parts.extend((_INTORG, lines, _INTEND) if mip and v.cat == integer else (lines,))
+        parts.append(text.rhs)
+        parts.append("BOUNDS\n")
+        names = text.variable_names
+        for v in text.variables:
+            parts.extend(writeMPSBoundLines(names[v.name], v, bool(mip)))
+        parts.append("ENDATA\n")
+        with open(filename, "w") as f:
+            f.write("".join(parts))
+        return text.variables, names, text.constraint_names, "OBJ"
+
+    def _format(self, objective: pulp.LpAffineExpression) -> _ModelText:
+        """Rows, columns and right-hand side as pulp's ``writeMPS(rename=1)`` writes them."""
+        constraint_names, variable_names, _ = self.normalisedNames()
+        variables = list(self._variables)  # normalisedNames sorted them, as pulp's writer does
+        to_mps = constants.LpConstraintTypeToMps
+        rows = "".join(f" {to_mps[c.sense]}  {constraint_names[k]}\n" for k, c in self.constraints.items())
+        lines: dict[str, list[str]] = {v.name: [] for v in variables}
+        for k, c in self.constraints.items():
+            row = constraint_names[k]
+            for v, value in c.items():
+                lines[v.name].append(_COLUMN % (variable_names[v.name], row, value))
+        for v, value in objective.items():
+            lines[v.name].append(_COLUMN % (variable_names[v.name], "OBJ", value))
+        rhs = "".join(
+            _RHS % (constraint_names[k], -c.constant if c.constant != 0 else 0) for k, c in self.constraints.items()
+        )
+        return _ModelText(
+            variables=variables,
+            variable_names=variable_names,
+            constraint_names=constraint_names,
+            head=f"NAME          MODEL\nROWS\n N  OBJ\n{rows}COLUMNS\n",
+            columns=["".join(lines[v.name]) for v in variables],
+            rhs="RHS\n" + rhs,
+            key=(id(objective), len(self.constraints), len(variables)),
+        )
 
 
 def cbc_command(workdir: str, **options: Any) -> pulp.PULP_CBC_CMD:

@@ -97,7 +97,7 @@ import re
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pulp
 
@@ -105,7 +105,7 @@ from lightning_osdp.budget import format_bytes
 from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.cost_model.network import as_topology
 from lightning_osdp.cost_model.parts import MemoryParts
-from lightning_osdp.cost_model.prediction import Prediction, _predict
+from lightning_osdp.cost_model.prediction import NumericBackend, Prediction, _predict
 from lightning_osdp.cost_model.structure import (
     ROOT,
     LocalUnit,
@@ -126,6 +126,7 @@ from lightning_osdp.cost_model.timeline import (
     simulate_free,
     simulate_segment,
 )
+from lightning_osdp.cost_model.units import SHARDED_MODES
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solve_report import SolveReport
@@ -138,7 +139,7 @@ from lightning_osdp.solver.candidates import (
     planning_units,
     segment_options,
 )
-from lightning_osdp.solver.cbc import cbc_command, cbc_workspace
+from lightning_osdp.solver.cbc import CachedMPSProblem, cbc_command, cbc_workspace
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
 from lightning_osdp.topology import Topology
 
@@ -523,7 +524,7 @@ class PlanningProblem:
         """The ILP in pulp: step time under ``budget``, or (``budget=None``) the peak; with the integer count of
         each option in each class of identical segments (redundant in the ILP; the count relaxation's variables,
         see [Note: identical segments]). ``None`` when a checkpoint no option touches exceeds the budget."""
-        prob = pulp.LpProblem("osdp", pulp.LpMinimize)
+        prob = CachedMPSProblem("osdp", pulp.LpMinimize)
         xs = [pulp.LpVariable(v.name, cat=pulp.LpBinary if v.binary else pulp.LpContinuous) for v in be.variables]
 
         def affine(e: LinExpr) -> pulp.LpAffineExpression:
@@ -928,6 +929,24 @@ class PlanningProblem:
     def predict(self, plan: Plan) -> Prediction:
         """The cost model's prediction of ``plan`` (same constants as the ILP)."""
         return _predict(self.profile, plan, self.topology, self.config)
+
+    def peak_bytes(self, chosen: Mapping[Hashable, Hashable]) -> int:
+        """The predicted peak of the plan of ``chosen`` (an option per choice), from the segments this problem has
+        simulated: the timeline on numbers, as :meth:`predict` walks it, without simulating them again."""
+        items = [
+            dataclasses.replace(item, options={0: item.options[chosen[item.key]]})
+            if isinstance(item, SegmentChoice)
+            else item
+            for item in self.spec.items
+        ]
+        globals_ = [dataclasses.replace(g, options={0: g.options[chosen[g.key]]}) for g in self.spec.globals]
+        sharded = any(
+            d.mode in SHARDED_MODES for key, option in chosen.items() for _, d in self.option_decisions[(key, option)]
+        )
+        numeric = dataclasses.replace(self.spec, items=items, globals=globals_, any_sharded=sharded)
+        be = NumericBackend()
+        build_timeline(cast(TimelineInput[MemoryParts], numeric), be)  # the same input, walked on numbers
+        return be.peak.total
 
 
 def _distinct_modes(modes: Sequence[str], topology: Topology) -> tuple[str, ...]:
@@ -1368,7 +1387,10 @@ def _check_replicated(
     across DDP segments]); a plan that shards nothing has none, so it is checked exactly. (The ILP's step time is
     the predictor's, so only a faster replicated plan is predicted.)"""
     replicated = _all_no_shard(problem, be)
-    if replicated is not None and (chosen is None or be.step_time(replicated) < be.step_time(chosen)):
+    faster = replicated is not None and (chosen is None or be.step_time(replicated) < be.step_time(chosen))
+    # The peak from the problem's own simulations first: the prediction simulates every segment again, for nothing
+    # at the budgets under the replicated plan's peak (most of them).
+    if replicated is not None and faster and problem.peak_bytes(replicated) <= budget:
         exact = problem.predict(problem.plan(replicated))
         if exact.peak_bytes <= budget:
             if chosen is None:
