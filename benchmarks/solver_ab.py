@@ -75,7 +75,9 @@ def main() -> None:
                 label = f"{tree.name} gap {gap:g}"
                 print(
                     f"{units:>6}{fraction:>8.0%}  {label:<40}{min(walls):>10.2f}{statistics.median(walls):>10.2f}"
-                    f"{max(walls) - min(walls):>10.2f}{'/'.join(f'{s:.3f}' for s in steps):>12}  {runs[0]['status']}",
+                    # a space before the step times: a case whose rounds found plans of different step times lists
+                    # them all, wider than the column
+                    f"{max(walls) - min(walls):>10.2f} {'/'.join(f'{s:.3f}' for s in steps):>11}  {runs[0]['status']}",
                     flush=True,
                 )
 

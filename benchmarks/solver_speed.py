@@ -7,7 +7,8 @@ per block). For each size, ``solve`` runs at budgets 10%, 30%, 50%, 70% and 90% 
 peak to the all-``no_shard`` peak (default solver settings: gap 1e-3, time limit 10 s), once per solver in turn
 (interleaved, so that both see the same load). Prints, per budget and solver, the wall time, the CPU time (CBC's
 subprocess included: on a loaded machine compare these), the plan's predicted step time, the solver's status and the
-plan. Targets (issue 4): under 1 s for 300 units, under 10 s for 2,000.
+plan. Targets (issue 4, set before recomputation was a choice): under 1 s for 300 units, under 10 s for 2,000;
+``docs/benchmarks.md`` ("Planning speed") says where they stand.
 """
 
 from __future__ import annotations
