@@ -30,7 +30,7 @@ on the same rows: each changes only bounds (variables fixed, counts held) and ca
 continuous). Writing the file is pulp formatting every nonzero in Python, about as long as CBC's own LP solve on
 deep models (1 s for the 566,774 nonzeros of 2,000 planning units). :class:`CachedMPSProblem` formats the rows, the
 columns and the right-hand side once, on the first write, and writes only the integer markers and the bounds again
-on the later ones; the file is byte for byte the one pulp writes (``tests/test_cbc.py``), so CBC sees the same
+on the later ones; the file is byte for byte the one pulp writes (``tests/test_solver.py``), so CBC sees the same
 model. The matrix is therefore not changed in place once written: adding a row or an objective through pulp drops
 the cached text, changing a row's coefficients in place is not seen (the planner builds its rows once, in
 ``PlanningProblem._formulate``).
