@@ -31,9 +31,9 @@ continuous). Writing the file is pulp formatting every nonzero in Python, about 
 deep models (1 s for the 566,774 nonzeros of 2,000 planning units). :class:`CachedMPSProblem` formats the rows, the
 columns and the right-hand side once, on the first write, and writes only the integer markers and the bounds again
 on the later ones; the file is byte for byte the one pulp writes (``tests/test_solver.py``), so CBC sees the same
-model. The matrix is therefore not changed in place once written: adding a row or an objective through pulp drops
-the cached text, changing a row's coefficients in place is not seen (the planner builds its rows once, in
-``PlanningProblem._formulate``).
+model. The cached text is made again when the objective is replaced or a row or variable added (its key counts
+them); a row's coefficients changed in place are not seen, so the matrix is not changed in place once written (the
+planner builds its rows once, in ``PlanningProblem._formulate``).
 """
 
 from __future__ import annotations
@@ -89,10 +89,6 @@ class CachedMPSProblem(pulp.LpProblem):
     markers (see [Note: one model file per solve]); the file is the one ``pulp.LpProblem.writeMPS`` writes."""
 
     _text: _ModelText | None = None
-
-    def addConstraint(self, constraint: pulp.LpConstraint, name: str | None = None) -> None:
-        self._text = None
-        super().addConstraint(constraint, name)
 
     def writeMPS(
         self, filename: str, mpsSense: int = 0, rename: int = 0, mip: int = 1, with_objsense: bool = False

@@ -1387,10 +1387,13 @@ def _check_replicated(
     across DDP segments]); a plan that shards nothing has none, so it is checked exactly. (The ILP's step time is
     the predictor's, so only a faster replicated plan is predicted.)"""
     replicated = _all_no_shard(problem, be)
-    faster = replicated is not None and (chosen is None or be.step_time(replicated) < be.step_time(chosen))
     # The peak from the problem's own simulations first: the prediction simulates every segment again, for nothing
     # at the budgets under the replicated plan's peak (most of them).
-    if replicated is not None and faster and problem.peak_bytes(replicated) <= budget:
+    if (
+        replicated is not None
+        and (chosen is None or be.step_time(replicated) < be.step_time(chosen))
+        and problem.peak_bytes(replicated) <= budget
+    ):
         exact = problem.predict(problem.plan(replicated))
         if exact.peak_bytes <= budget:
             if chosen is None:
