@@ -204,6 +204,69 @@ def test_commit_replaces_a_checkpoint_in_one_step_and_clears_interrupted_saves(t
     assert not final.exists()
 
 
+def _save_of_kind(path: Path, kind: str, payload: str) -> Path:
+    """A completed save at ``path``: a sharded checkpoint directory, or a full checkpoint file."""
+    if kind == "dir":
+        return _complete_dir(path, payload)
+    torch.save({"payload": payload}, path)
+    return path
+
+
+def _payload(path: Path) -> str:
+    return (path / "__0_0.distcp").read_text() if path.is_dir() else torch.load(path)["payload"]
+
+
+@pytest.mark.parametrize("exchange", ["exchange", "no exchange"])
+@pytest.mark.parametrize("theirs", ["dir", "file"])
+@pytest.mark.parametrize("ours", ["dir", "file"])
+def test_a_commit_that_another_save_of_the_path_overtakes_still_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ours: str, theirs: str, exchange: str
+) -> None:
+    # Another process's save of the same path commits in the instant between this commit's look at the path and its
+    # rename (what `test_concurrent_saves_to_one_path_all_complete` hits by chance): here, at that exact instant.
+    final = tmp_path / "last.ckpt"
+    mine = _save_of_kind(tmp_path / "last.ckpt.tmp-mine", ours, "mine")
+    other = _save_of_kind(tmp_path / "last.ckpt.tmp-other", theirs, "other")
+    if exchange == "no exchange":  # a file system without RENAME_EXCHANGE: the previous checkpoint is moved aside
+        _save_of_kind(final, "dir", "previous")
+        monkeypatch.setattr(layout, "_exchange", lambda a, b: False)
+    real_rename = os.rename
+    pending = [other]
+
+    def rename(src: Any, dst: Any) -> None:
+        if Path(dst) == final and Path(src) == mine and pending:
+            monkeypatch.setattr(os, "rename", real_rename)
+            layout.commit(pending.pop(), final)  # the other save, whole, in this instant
+            monkeypatch.setattr(os, "rename", rename)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    layout.commit(mine, final)
+    assert not pending, "the other save did commit in between"
+    assert _payload(final) == "mine" and (final.is_dir()) == (ours == "dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], "nothing left beside it"
+
+
+def test_a_commit_whose_target_is_moved_away_meanwhile_places_its_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another save, on a file system without RENAME_EXCHANGE, moved the previous checkpoint aside just before this
+    # commit's swap: the swap finds nothing to swap with, and this save takes the empty place.
+    final = _complete_dir(tmp_path / "last.ckpt", "previous")
+    mine = _complete_dir(tmp_path / "last.ckpt.tmp-mine", "mine")
+    real_exchange = layout._exchange
+
+    def exchange(a: Path, b: Path) -> bool:
+        os.rename(b, tmp_path / "last.ckpt.old-other")
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(layout, "_exchange", exchange)
+    layout.commit(mine, final)
+    assert _payload(final) == "mine"
+    with pytest.raises(FileNotFoundError):
+        real_exchange(tmp_path / "absent", final)
+
+
 def test_incomplete_checkpoints_are_refused_with_a_clear_message(tmp_path: Path) -> None:
     final = _complete_dir(tmp_path / "step=4.ckpt", "ok")
     half = tmp_path / "step=4.ckpt.tmp-123"

@@ -24,6 +24,14 @@ is then deleted manifest first. Without RENAME_EXCHANGE the old checkpoint is fi
 ``<path>.old-<token>``: a kill in the instant between the two renames leaves it there, intact, and loading
 ``<path>`` says where it is.
 
+[Note: saves that commit at the same instant]
+Two processes may save one path at once (two runs given one ``dirpath``). What is at ``<path>`` can then change
+between any two system calls of a commit: it appears (the other save placed its checkpoint first), it changes kind
+(a file for a directory), or, without RENAME_EXCHANGE, it is missing for an instant (the other save moved it aside).
+Each step of :func:`commit` is one system call that either does what it says or fails because ``<path>`` changed;
+a failure of that kind starts the move again against what is there now, so the later commit wins, as it does when
+the saves are seconds apart. The attempts are bounded, so that a path replaced without pause cannot hold a save.
+
 [Note: what a save may replace]
 A save replaces what is at its path only when that is a checkpoint: nothing, an empty directory, a checkpoint
 directory (every entry a file this layout writes), or a ``torch.save`` file (ours, or Lightning's own ``.ckpt``, as
@@ -385,30 +393,72 @@ def _read_manifest(directory: CheckpointDirectory) -> Manifest:
 def commit(tmp: Path, path: Path) -> None:
     """Move the completed save ``tmp`` to ``path`` atomically, replacing what was there (see [Note: atomic saves]).
 
-    Called by one process (rank 0) once every rank's files are written.
+    Called by one process (rank 0) once every rank's files are written. Other processes may commit saves of the same
+    path at the same time (see [Note: saves that commit at the same instant]).
     """
-    check_replaceable(path)
     if tmp.is_dir():
         _fsync_directory(tmp)
-    if not os.path.lexists(path):
-        os.rename(tmp, path)
-    elif _exchange(tmp, path):
-        # `tmp` now holds the previous checkpoint.
-        _remove(tmp)
-    elif path.is_file() and tmp.is_file():
-        os.replace(tmp, path)
+    for _ in range(_COMMIT_ATTEMPTS):
+        check_replaceable(path)
+        if _move_into_place(tmp, path):
+            break
     else:
-        aside = path.with_name(f"{path.name}.old-{tmp.name.rpartition('.tmp-')[2]}")
-        os.rename(path, aside)
-        os.rename(tmp, path)
-        _remove(aside)
+        raise CheckpointError(
+            f"saving checkpoint {str(path)!r} failed: other saves of that path replaced it {_COMMIT_ATTEMPTS} times in "
+            "a row while this one was being moved into place. Give each run its own checkpoint directory"
+        )
     _fsync_directory(path.parent)
     for stale in leftovers(path):
         # Earlier interrupted saves of this path, superseded now that a save completed; a save still in progress (in
         # another process: two saves to one path) keeps its files.
         if abandoned(stale):
             log.info("removing %s, left by an interrupted save", stale)
-            _remove(stale)
+            discard(stale, left_by="an interrupted save")
+
+
+#: How often a commit starts again when other saves of its path keep changing what is there.
+_COMMIT_ATTEMPTS = 100
+
+#: `rename` errors that mean something is at the target (a directory onto a directory that is not empty, or onto a
+#: file, a file onto a directory): the target appeared since it was looked at.
+_TARGET_THERE = frozenset({errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR})
+
+
+def _move_into_place(tmp: Path, path: Path) -> bool:
+    """One attempt at moving ``tmp`` to ``path``, replacing what is there; ``False`` when another save changed what
+    is at ``path`` in between (see [Note: saves that commit at the same instant])."""
+    if not os.path.lexists(path):
+        try:
+            os.rename(tmp, path)
+        except OSError as err:
+            if err.errno in _TARGET_THERE and os.path.lexists(path):
+                return False
+            raise
+        return True
+    try:
+        exchanged = _exchange(tmp, path)
+    except FileNotFoundError:
+        return False  # moved away in between
+    if exchanged:
+        discard(tmp, left_by="the save it replaced")  # `tmp` now holds the previous checkpoint
+        return True
+    if path.is_file() and tmp.is_file():
+        os.replace(tmp, path)
+        return True
+    aside = path.with_name(f"{path.name}.old-{tmp.name.rpartition('.tmp-')[2]}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        os.rename(tmp, path)
+    except OSError as err:
+        if err.errno in _TARGET_THERE and os.path.lexists(path):
+            discard(aside, left_by="the save it replaced")  # another save took the place: replaced all the same
+            return False
+        raise
+    discard(aside, left_by="the save it replaced")
+    return True
 
 
 #: Names a checkpoint directory holds: DCP's shard files and index (and its temporary index), and ours.
@@ -534,12 +584,15 @@ def _first_failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def discard(tmp: Path) -> None:
-    """Remove the partial save ``tmp`` (a failed save's temporary file or directory), as far as it can be removed."""
+def discard(tmp: Path, *, left_by: str = "a failed save") -> None:
+    """Remove ``tmp`` (by default a failed save's temporary file or directory) as far as it can be removed; what
+    cannot be is logged, not raised: the save that leaves it has already failed or completed."""
     try:
         _remove(tmp)
+    except FileNotFoundError:
+        pass  # removed meanwhile, by another save of the same path
     except OSError as err:
-        log.warning("could not remove %s, left by a failed save: %s", tmp, err)
+        log.warning("could not remove %s, left by %s: %s", tmp, left_by, err)
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:
@@ -593,7 +646,12 @@ _libc: Any = None
 
 
 def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directory entries in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where unsupported."""
+    """Swap two directory entries in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where the OS or the
+    file system does not have it.
+
+    Raises:
+        OSError: the swap failed otherwise (``FileNotFoundError``: ``a`` or ``b`` is not there).
+    """
     global _libc
     if _libc is None:
         try:
@@ -602,5 +660,9 @@ def _exchange(a: Path, b: Path) -> bool:
             _libc = False
     if not _libc or not hasattr(_libc, "renameat2"):
         return False
-    result = _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    return bool(result == 0)
+    if _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
