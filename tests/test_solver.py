@@ -527,3 +527,6 @@ def test_the_cbc_model_file_is_pulps_byte_for_byte_through_every_phase(tmp_path)
     prob += xs[0] + xs[1] <= 1  # a new row: the cached text is dropped
     same()
     assert "C" + f"{len(prob.constraints) - 1:07d}" in (tmp_path / "mine.mps").read_text()
+    for _ in range(2):  # a new objective (twice: the first one freed, its id may be the third's)
+        prob.setObjective(pulp.lpSum(2.5 * x for x in xs[:7]))
+        same()

@@ -420,8 +420,13 @@ def commit(tmp: Path, path: Path) -> None:
 _COMMIT_ATTEMPTS = 100
 
 #: `rename` errors that mean something is at the target (a directory onto a directory that is not empty, or onto a
-#: file, a file onto a directory): the target appeared since it was looked at.
+#: file, a file onto a directory).
 _TARGET_THERE = frozenset({errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR})
+
+
+def _overtaken(err: OSError, path: Path) -> bool:
+    """Whether a rename onto ``path`` failed with ``err`` because another save placed its checkpoint there since."""
+    return err.errno in _TARGET_THERE and os.path.lexists(path)
 
 
 def _move_into_place(tmp: Path, path: Path) -> bool:
@@ -431,7 +436,7 @@ def _move_into_place(tmp: Path, path: Path) -> bool:
         try:
             os.rename(tmp, path)
         except OSError as err:
-            if err.errno in _TARGET_THERE and os.path.lexists(path):
+            if _overtaken(err, path):
                 return False
             raise
         return True
@@ -453,7 +458,7 @@ def _move_into_place(tmp: Path, path: Path) -> bool:
     try:
         os.rename(tmp, path)
     except OSError as err:
-        if err.errno in _TARGET_THERE and os.path.lexists(path):
+        if _overtaken(err, path):
             discard(aside, left_by="the save it replaced")  # another save took the place: replaced all the same
             return False
         raise

@@ -31,9 +31,10 @@ continuous). Writing the file is pulp formatting every nonzero in Python, about 
 deep models (1 s for the 566,774 nonzeros of 2,000 planning units). :class:`CachedMPSProblem` formats the rows, the
 columns and the right-hand side once, on the first write, and writes only the integer markers and the bounds again
 on the later ones; the file is byte for byte the one pulp writes (``tests/test_solver.py``), so CBC sees the same
-model. The cached text is made again when the objective is replaced or a row or variable added (its key counts
-them); a row's coefficients changed in place are not seen, so the matrix is not changed in place once written (the
-planner builds its rows once, in ``PlanningProblem._formulate``).
+model. The cached text is made again when the objective is replaced or a row or variable added (it holds the
+objective it was made from and counts the rows and variables); a row's coefficients changed in place are not seen,
+so the matrix is not changed in place once written (the planner builds its rows once, in
+``PlanningProblem._formulate``).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class _ModelText:
     head: str  # NAME, ROWS and the COLUMNS header
     columns: list[str]  # per variable (in ``variables`` order): its coefficient lines and its objective line
     rhs: str  # the RHS section
-    key: tuple[int, int, int]  # what the text was made from: the objective, the number of rows and of variables
+    objective: pulp.LpAffineExpression  # what the text was made from: the objective (held, so never another's id)
+    shape: tuple[int, int]  # and the number of rows and of variables
 
 
 class CachedMPSProblem(pulp.LpProblem):
@@ -103,10 +105,13 @@ class CachedMPSProblem(pulp.LpProblem):
             or objective.isNumericalConstant()  # pulp adds a dummy variable to it while writing
         ):
             return super().writeMPS(filename, mpsSense=mpsSense, rename=rename, mip=mip, with_objsense=with_objsense)
-        key = (id(objective), len(self.constraints), len(self._variables))
-        if self._text is None or self._text.key != key:
-            self._text = self._format(objective)
         text = self._text
+        if (
+            text is None
+            or text.objective is not objective
+            or text.shape != (len(self.constraints), len(self._variables))
+        ):
+            text = self._text = self._format(objective)
         objective.name = "OBJ"  # as pulp's writer names it
         integer = pulp.LpInteger
         parts = [f"*SENSE:{constants.LpSenses[self.sense]}\n", text.head]
@@ -145,7 +150,8 @@ class CachedMPSProblem(pulp.LpProblem):
             head=f"NAME          MODEL\nROWS\n N  OBJ\n{rows}COLUMNS\n",
             columns=["".join(lines[v.name]) for v in variables],
             rhs="RHS\n" + rhs,
-            key=(id(objective), len(self.constraints), len(variables)),
+            objective=objective,
+            shape=(len(self.constraints), len(variables)),
         )
 
 
