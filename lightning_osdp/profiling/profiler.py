@@ -77,6 +77,7 @@ from lightning_osdp.profiling.selective import SelectiveFigures, measure_selecti
 from lightning_osdp.profiling.step import LossFn, StepRunner, describe_batch, is_lightning_module
 from lightning_osdp.profiling.timing import device_clock, no_gc
 from lightning_osdp.profiling.tracer import ModuleTracer, OpTally, StepRecord
+from lightning_osdp.profiling.values import StandInMethods, StandInValues
 
 __all__ = ["MODES", "profile"]
 
@@ -469,13 +470,13 @@ def _request(
     )
 
 
-def _replica(stack: ExitStack, request: _Request, fake: bool) -> tuple[nn.Module, Any]:
+def _replica(stack: ExitStack, request: _Request, fake: bool) -> tuple[nn.Module, Any, StandInValues | None]:
     """The work copy of the model and the batch on the target device (fake tensors when ``fake``, whose mode is
-    entered on ``stack``)."""
+    entered on ``stack`` with the stand-ins that answer the step's value reads, returned third; see ``values.py``)."""
     target = request.target
     if not fake:
         work = stack.enter_context(measured_replica(request.module, target))
-        return work, tree_map(lambda t: t.to(target) if isinstance(t, Tensor) else t, request.example_batch)
+        return work, tree_map(lambda t: t.to(target) if isinstance(t, Tensor) else t, request.example_batch), None
     fake_mode = fake_tensor_mode()
     work = stack.enter_context(fake_replica(request.module, target, fake_mode))
     with fake_mode:
@@ -483,7 +484,9 @@ def _replica(stack: ExitStack, request: _Request, fake: bool) -> tuple[nn.Module
             lambda t: fake_mode.from_tensor(t).to(target) if isinstance(t, Tensor) else t, request.example_batch
         )
     stack.enter_context(fake_mode)
-    return work, batch
+    values = stack.enter_context(StandInValues())
+    stack.enter_context(StandInMethods(values))
+    return work, batch, values
 
 
 def _traced(session: _Session, request: _Request) -> StepRecord:
@@ -595,7 +598,7 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
                 # Its two buffers are setup's memory too: they stay within a quarter of the budget.
                 size = max(min(size, request.available_memory // 8), 64 << 10)
             copy_rate = measure_copy_bandwidth(target, size)
-        work, batch = _replica(stack, request, fake)
+        work, batch, values = _replica(stack, request, fake)
         if cut is not None:
             cut[0].cut(work, cut[1])
         runner = StepRunner(
@@ -630,6 +633,8 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
             modules[block].selective_forward_bytes = figures.forward_bytes
             modules[block].selective_replay_seconds = figures.replay_seconds
         _, tied = account_parameters(work)
+        if values is not None and (values.reads or values.sized):
+            info.update(values.report())
         info["optimizer_state"] = session.state.source if optimizers else "none"
         if record.unsized_tensors:
             # Fake tensors cannot know the size of a value-dependent result (boolean masking, nonzero).

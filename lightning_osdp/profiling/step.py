@@ -27,7 +27,11 @@ forward (a GAN's); the loss region is measured around the first backward.
 [Note: logging while profiling]
 ``LightningModule.log`` is replaced by a no-op on the module being profiled: with a trainer attached and no loop
 running, Lightning raises ("the loop's result collection is not registered"), and ``sync_dist=True`` would issue a
-collective on one rank's schedule. The time a real step spends logging is therefore not in the profile.
+collective on one rank's schedule. The time a real step spends logging is therefore not in the profile. For the same
+reason ``self.all_gather`` gathers locally (this rank's tensors stacked ``world_size`` times: the shape and bytes of
+Lightning's result, no collective: the ranks profile on their own schedules, and fake tensors cannot be sent), and
+``self.print`` and the step's own ``print`` calls are silenced: the profiled step runs several times on a copy, and
+its output (on fake tensors, the stand-in values of ``values.py``) is not the run's.
 
 [Note: metrics on fake tensors]
 In estimated mode the step runs on fake tensors, where code that branches on tensor values cannot run, and
@@ -39,6 +43,8 @@ too large to measure.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -47,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_osdp._compat import tree_leaves
+from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.profiling.errors import ProfilingError
 
 __all__ = ["ProfiledOptimizer", "StepRunner", "describe_batch", "is_lightning_module"]
@@ -157,15 +163,30 @@ class StepRunner:
 
     @contextmanager
     def quiet_logging(self) -> Iterator[None]:
-        """Make ``self.log``/``self.log_dict`` no-ops on the module (see [Note: logging while profiling])."""
+        """Make ``self.log``/``self.log_dict``/``self.print`` no-ops, ``self.all_gather`` local and ``print`` silent
+        while the module is profiled (see [Note: logging while profiling])."""
         if not self.lightning:
-            yield
+            with contextlib.redirect_stdout(io.StringIO()):
+                yield
             return
-        patched = [attr for attr in ("log", "log_dict") if attr not in vars(self.module)]
+        trainer = vars(self.module).get("_trainer")
+        world_size = int(getattr(trainer, "world_size", 1) or 1)
+
+        def all_gather(data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+            def gather(value: Any) -> Any:
+                if not isinstance(value, Tensor):
+                    value = torch.tensor(value)
+                return value if world_size == 1 else torch.stack([value] * world_size)
+
+            return tree_map(gather, data)
+
+        patches = {"log": _no_op, "log_dict": _no_op, "print": _no_op, "all_gather": all_gather}
+        patched = [attr for attr in patches if attr not in vars(self.module)]
         for attr in patched:
-            setattr(self.module, attr, _no_op)
+            setattr(self.module, attr, patches[attr])
         try:
-            yield
+            with contextlib.redirect_stdout(io.StringIO()):
+                yield
         finally:
             for attr in patched:
                 vars(self.module).pop(attr, None)
