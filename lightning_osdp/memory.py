@@ -9,7 +9,9 @@ storage on the device, where *live* means
 * present when tracking starts and reachable from the objects handed to :meth:`LiveStorageTracker.start`
   (the model's parameters, their gradients and buffers, the optimizer's state), or
 * created by any ATen operator while tracking is on (seen through a ``TorchDispatchMode``; DTensors are counted
-  by their local shard),
+  by their local shard); a *view* operator creates no storage, and a view of a storage not counted so far is of
+  memory that was there before tracking started (a batch's sample sliced from a dataset held as one tensor, which on
+  CUDA would not even be on the device): it is not counted,
 
 until the storage is garbage collected (a weak reference callback) or resized (FSDP2 frees and re-allocates
 gathered parameters with ``UntypedStorage.resize_``, which the dispatcher does not see, so it is patched while
@@ -106,19 +108,26 @@ class LiveStorageTracker(TorchDispatchMode):
     # ---------------------------------------------------------------- internals
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        view = bool(getattr(func, "is_view", False))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(_local(t))
+                self._track(_local(t), view=view)
         return out
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, *, view: bool = False) -> None:
         if t.device.type != self.device_type or t.is_meta or (not self.count_fake and is_fake(t)):
             return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
+        if view and not self._tracked(storage):
+            return  # a view of memory from before tracking (see the module docstring)
         self._track_storage(storage)
+
+    def _tracked(self, storage: torch.UntypedStorage) -> bool:
+        ref = self._refs.get(id(storage))
+        return ref is not None and ref() is storage
 
     def _track_storage(self, storage: torch.UntypedStorage) -> None:
         """Start counting ``storage``, or account for a change of its size since it was last seen."""

@@ -37,6 +37,15 @@ restore is state outside tensors (a Python counter incremented in ``forward``), 
 updated in place: those side effects run twice, as under ``torch.utils.checkpoint`` itself. The restore keeps the
 buffers' version counters (as DDP's buffer broadcast does), so autograd sees no in-place change of a tensor it saved.
 
+One such state is common enough to be handled by name: a Hugging Face model's key-value cache. In training its
+forward still builds a ``DynamicCache`` (``config.use_cache`` defaults to true) and hands it to every layer, which
+appends its keys and values; a recomputed layer appends them again, attends over twice the keys, and backward fails
+on the shapes (``tests/test_user_corpus.py``'s GPT-2 did). Hugging Face's own ``gradient_checkpointing_enable`` turns
+the cache off in training for this reason; :func:`recompute_modules` does the same (``config.use_cache = False``) for
+each Hugging Face model (a module with ``gradient_checkpointing_enable`` and a ``config.use_cache``) that holds a
+recomputed module. A training step's loss does not use the cache, so the numbers are those of a run with it; a
+``generate`` after training passes ``use_cache=True`` to get it back.
+
 [Note: selective recomputation]
 ``recompute="selective"`` runs the same checkpoint with torch's per-operator policy
 (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): in forward, the outputs of the operators in
@@ -332,7 +341,8 @@ def recompute_modules(root: nn.Module, names: Iterable[str] | Mapping[str, str],
     """Checkpoint the forward of each module ``names`` names under ``root`` (in place; once per module), ``how``
     (``"full"`` or ``"selective"``) or, when ``names`` maps names to one of those, as it says. A module already
     checkpointed is switched to the new way (the profiler measures both on one replica)."""
-    items = names.items() if isinstance(names, Mapping) else ((name, how) for name in names)
+    items = list(names.items() if isinstance(names, Mapping) else ((name, how) for name in names))
+    _disable_kv_caches(root, [name for name, _ in items])
     for name, way in items:
         if way not in ("full", "selective"):
             raise ValueError(f"module {name!r}: recomputation must be 'full' or 'selective', got {way!r}")
@@ -342,3 +352,16 @@ def recompute_modules(root: nn.Module, names: Iterable[str] | Mapping[str, str],
             forward.selective = way == "selective"
         else:
             module.forward = RecomputedForward(module, module.forward, selective=way == "selective", name=name)
+
+
+def _disable_kv_caches(root: nn.Module, names: list[str]) -> None:
+    """Turn off the key-value cache of every Hugging Face model that holds a recomputed module (see [Note: a forward
+    that mutates state]: the cache is state outside tensors that a replay would extend twice)."""
+    for prefix, model in root.named_modules():
+        config = getattr(model, "config", None)
+        if not (hasattr(model, "gradient_checkpointing_enable") and getattr(config, "use_cache", False)):
+            continue
+        if config is not None and any(
+            prefix == "" or name == prefix or name.startswith(prefix + ".") for name in names
+        ):
+            config.use_cache = False

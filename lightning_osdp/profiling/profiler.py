@@ -124,6 +124,13 @@ def _live_bytes(module: nn.Module, device: torch.device) -> int:
     return sum(storages.values())
 
 
+def _free_memory(request: _Request) -> int | None:
+    """What the memory the caller counts on (the budget) leaves beside the model: the room of setup's benchmarks."""
+    if request.available_memory is None:
+        return None
+    return max(request.available_memory - _live_bytes(request.module, request.target), 0)
+
+
 def _floating_dtype(module: nn.Module) -> torch.dtype:
     counts: dict[torch.dtype, int] = {}
     for p in _unique_parameters(module):
@@ -581,12 +588,8 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
     the copy's list of repeated blocks cut to that many (see ``repeats.py`` [Note: depth by extrapolation])."""
     target, name = request.target, request.name
     info: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": request.repeats}
-    rng_devices = (
-        [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
-    )
     copy_rate = request.copy_bytes_per_second
     with ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=rng_devices))
         # The traced steps run under dispatch modes, where dynamo would mark the user's compiled modules to be
         # skipped for the whole run (see lightning_osdp/step_monitor.py [Note: measured steps and torch.compile]):
         # the profile measures their eager code.
@@ -594,9 +597,10 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
         # Benchmarked before the fake mode is entered: under it, the benchmark's tensors would be fake too.
         if copy_rate is None:
             size = min(max(request.param_bytes, 4 << 20), 64 << 20)
-            if request.available_memory is not None:
-                # Its two buffers are setup's memory too: they stay within a quarter of the budget.
-                size = max(min(size, request.available_memory // 8), 64 << 10)
+            free = _free_memory(request)
+            if free is not None:
+                # Its two buffers are setup's memory too: they stay within half of what the model leaves free.
+                size = max(min(size, free // 4), 4 << 10)
             copy_rate = measure_copy_bandwidth(target, size)
         work, batch, values = _replica(stack, request, fake)
         if cut is not None:
@@ -671,7 +675,8 @@ def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> Mo
     from lightning_osdp.plan import default_units
 
     profile, info = traced.profile, traced.profile.info
-    budget = request.available_memory // 4 if request.available_memory is not None else None
+    free = _free_memory(request)
+    budget = free // 2 if free is not None else None
     rates = request.rates or measure_device_rates(request.target, _floating_dtype(request.module), max_bytes=budget)
     timing = _estimated_timing(traced.session, traced.record, rates, info)
     if blocks:
@@ -699,7 +704,18 @@ def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> Mo
 
 
 def _profile_locally(request: _Request) -> ModelProfile:
-    """This rank's profile of the model, without collectives (see [Note: measured and estimated])."""
+    """This rank's profile of the model, without collectives (see [Note: measured and estimated]). Everything it runs
+    (the copy's steps, the blocks, the rate benchmarks) draws from a fork of the global RNG: the run's dropout masks
+    and data order are the ones it would have without profiling."""
+    target = request.target
+    devices = (
+        [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
+    )
+    with torch.random.fork_rng(devices=devices):
+        return _profile_locally_forked(request)
+
+
+def _profile_locally_forked(request: _Request) -> ModelProfile:
     if request.mode == "measured":
         return _trace(request, fake=False).profile
     if request.mode == "estimated":

@@ -162,10 +162,17 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
 
 
 def _within(sizes: tuple[int, ...], nbytes: Callable[[int], int], max_bytes: int | None) -> tuple[int, ...]:
-    """The sizes whose buffers take at most ``max_bytes`` (the two smallest whatever: a fit needs two points)."""
+    """The sizes whose buffers take at most ``max_bytes``; when fewer than two do (a fit needs two points), halvings
+    of the smallest that do."""
     if max_bytes is None:
         return sizes
-    return tuple(n for i, n in enumerate(sizes) if i < 2 or nbytes(n) <= max_bytes)
+    fitting = [n for n in sizes if nbytes(n) <= max_bytes]
+    smaller = sizes[0] // 2
+    while len(fitting) < 2 and smaller >= 8:
+        if nbytes(smaller) <= max_bytes:
+            fitting.insert(0, smaller)
+        smaller //= 2
+    return tuple(fitting) if len(fitting) >= 2 else sizes[:2]
 
 
 def measure_device_rates(

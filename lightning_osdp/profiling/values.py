@@ -11,14 +11,16 @@ into unbacked sizes that the memory accounting cannot add up. Three mechanisms w
   real memory, which is what a trace on fake tensors exists to avoid (a model on meta, a model too large to copy);
 * unbacked symbols with size hints (``ShapeEnv``): still fail at ``bool()``/``float()`` of a value, which is most of
   what user steps do, and give no number to a Python ``print``;
-* answering each read with a stand-in, here: :class:`StandInValues` is a dispatch mode over the fake mode that answers
-  ``aten._local_scalar_dense`` (``.item()``, ``float``, ``int``, ``bool``, ``if``, ``.tolist()``) with a neutral value
-  (numbers read as ``1``, so that a logarithm or a division by a count runs; a NaN or infinity check reads as "none
-  found" and a finiteness check as "all finite", through negations and ``any``/``all``; any other boolean as
-  ``False``), and gives every operator whose output
-  *size* depends on values (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) its largest possible
-  size (every element selected). :class:`StandInMethods` does the same for the ``Tensor`` methods that never reach the
-  dispatcher on a fake tensor (``numpy()``, ``__format__``).
+* answering each read with a stand-in, here: :class:`StandInValues` is a dispatch mode over the fake mode that
+  answers ``aten._local_scalar_dense`` (``.item()``, ``float``, ``int``, ``bool``, ``if``, ``.tolist()``),
+  ``torch.equal`` and ``torch.allclose`` (equal when the shapes are) with a neutral value (numbers read as ``1``, so
+  that a logarithm or a division by a count runs; a NaN or infinity check reads as "none found" and a finiteness check
+  as "all finite", through negations and ``any``/``all``; any other boolean as ``False``), and gives every operator
+  whose output *size* depends on values (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``) its largest
+  possible size (every element selected). :class:`StandInMethods` does the same for the ``Tensor`` methods that never
+  reach the dispatcher on a fake tensor (``numpy()``, ``__format__``) and watches the guards' checks. (Not a value
+  read, but a fake tensor's failure all the same: an operator whose meta kernel is stricter than the CPU's, see
+  ``_BF16_META``.)
 
 What a stand-in costs: the trace follows the branch the stand-in selects (the common, "nothing wrong" branch of a
 guard), and a data-dependent size is counted at its upper bound, so bytes and FLOPs of such operators are over-, never
@@ -91,6 +93,22 @@ def _full_indices(mask: Tensor) -> list[Tensor]:
     return [torch.zeros(mask.numel(), dtype=torch.long, device=mask.device) for _ in range(mask.dim())]
 
 
+# Operators whose meta kernel (what a fake tensor runs) accepts bfloat16 alone while the CPU kernel takes any float:
+# Hugging Face's mixtures of experts call `grouped_mm` in fp32 on CPU. Their fake outputs are made in bfloat16 and cast
+# back: the shapes are the kernel's, the dtype the real kernel's.
+_BF16_META = frozenset(getattr(aten, name).default for name in ("_grouped_mm",) if hasattr(aten, name))
+
+
+def _in_bf16(func: Any, args: Any, kwargs: Any) -> Any:
+    dtypes = {t.dtype for t in args if isinstance(t, Tensor) and t.is_floating_point()}
+    if len(dtypes) != 1 or torch.bfloat16 in dtypes:
+        return func(*args, **kwargs)  # the kernel's own verdict
+    dtype = dtypes.pop()
+    cast = [t.to(torch.bfloat16) if isinstance(t, Tensor) and t.is_floating_point() else t for t in args]
+    out = func(*cast, **{k: v for k, v in kwargs.items() if k != "out_dtype"})
+    return out.to(dtype)
+
+
 class StandInValues(TorchDispatchMode):
     """Answers value reads and value-dependent sizes of fake tensors (see [Note: value reads on fake tensors]).
 
@@ -111,7 +129,7 @@ class StandInValues(TorchDispatchMode):
             self.reads[_call_site()] += 1
             tensor = args[0]
             return self._known.get(tensor, False) if tensor.dtype == torch.bool else _stand_in(tensor.dtype)
-        if func is aten.equal.default:
+        if func in (aten.equal.default, aten.allclose.default):
             self.reads[_call_site()] += 1
             return bool(args[0].shape == args[1].shape)
         if func is aten.nonzero.default:
@@ -130,6 +148,8 @@ class StandInValues(TorchDispatchMode):
                 for i in indices:
                     expanded.extend(_full_indices(i) if i is not None and i.dtype in (torch.bool, torch.uint8) else [i])
                 return func(args[0], expanded, *args[2:], **kwargs)
+        if func in _BF16_META:
+            return _in_bf16(func, args, kwargs)
         if func in (aten._unique2.default, aten.unique_consecutive.default):
             self._sized(func)
             tensor = args[0]
