@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -175,26 +175,38 @@ class RunPlanner:
             self._save(trainer, resolution.plan, resolution.profile)
         return resolution
 
-    def check_holds_parameters(self, module: torch.nn.Module) -> None:
-        """Before profiling: the budget the planner plans against must hold at least the model's parameters sharded
-        over every rank, the least any plan keeps (a budget below it can only be a mistake, and profiling a large
-        model takes long).
-
-        Raises:
-            InfeasibleBudgetError: it does not, with the figure.
-        """
-        from lightning_osdp.solver import InfeasibleBudgetError, planned_budget
+    def holds_parameters(self, module: torch.nn.Module) -> int | None:
+        """Before profiling: ``None`` when the budget the planner plans against holds at least the model's parameters
+        sharded over every rank, the least any plan keeps; else that least (bytes per rank). A budget below it can only
+        be a mistake, and measuring a large model takes long: such a run is profiled on fake tensors only, to name the
+        smallest budget that trains (:meth:`_refuse`)."""
+        from lightning_osdp.solver import planned_budget
 
         least = -(-sum(p.numel() * p.element_size() for p in module.parameters()) // self.world_size)
-        if planned_budget(self.budget, self.options.headroom) < least:
+        return least if planned_budget(self.budget, self.options.headroom) < least else None
+
+    def _refuse(self, least: int, estimate: Callable[[], ModelProfile]) -> NoReturn:
+        """The error of a budget below the parameters' floor, with the smallest budget that trains: the planner's own
+        infeasible-budget message on a profile ``estimate`` makes on fake tensors (no memory, no step measured)."""
+        from lightning_osdp.solver import InfeasibleBudgetError
+
+        floor = (
+            f"memory budget {format_bytes(self.budget)} per device cannot hold the model's parameters even sharded "
+            f"over all {self.world_size} ranks ({format_bytes(least)} each, before gradients, optimizer state and "
+            "activations)"
+        )
+        try:
+            self.options.plan(estimate(), self.budget, self.topology)
+        except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(
-                f"memory budget {format_bytes(self.budget)} per device cannot hold the model's parameters even sharded "
-                f"over all {self.world_size} ranks ({format_bytes(least)} each, before gradients, optimizer state and "
-                "activations): raise memory_budget, or run on more ranks",
+                f"{floor}. Estimated on fake tensors: {err}",
                 budget=self.budget,
-                minimum=least,
-                consumers=[],
-            )
+                minimum=err.minimum,
+                consumers=err.consumers,
+            ) from None
+        raise InfeasibleBudgetError(
+            f"{floor}: raise memory_budget, or run on more ranks", budget=self.budget, minimum=least, consumers=[]
+        )
 
     def _resumed(self, trainer: pl.Trainer, module: pl.LightningModule) -> osdp_checkpoint.PlanChoice | None:
         path = fit_ckpt_path(trainer)
@@ -214,7 +226,6 @@ class RunPlanner:
         broadcast so that all plan alike)."""
         from lightning_osdp.profiling import profile, profile_with_policy
 
-        self.check_holds_parameters(module)
         batch, source, step = representative_batch(trainer, module, to_device)
         kwargs: dict[str, Any] = {
             "device": self.device,
@@ -225,10 +236,17 @@ class RunPlanner:
             "available_memory": self.budget,
             "node_groups": self.node_groups,
         }
-        if self.mp_policy is not None:
-            # As the policy runs the step: parameters in its dtype (lightning_osdp/profiling/mixed_precision.py).
-            return profile_with_policy(module, batch, self.mp_policy, **kwargs)
-        return profile(module, batch, **kwargs)
+
+        def run(**extra: Any) -> ModelProfile:
+            if self.mp_policy is not None:
+                # As the policy runs the step: parameters in its dtype (lightning_osdp/profiling/mixed_precision.py).
+                return profile_with_policy(module, batch, self.mp_policy, **kwargs, **extra)
+            return profile(module, batch, **kwargs, **extra)
+
+        least = self.holds_parameters(module)
+        if least is not None:
+            self._refuse(least, lambda: run(mode="estimated"))
+        return run()
 
     def _save(self, trainer: pl.Trainer, plan: Plan, profile: ModelProfile) -> None:
         """Rank 0 prints the plan solved here and saves it, with its profile beside it."""

@@ -73,9 +73,11 @@ def test_a_budget_no_run_can_have_is_refused_at_construction(value: object, mess
     assert OSDPStrategy(memory_budget=2**60).memory_budget == 2**60
 
 
-def test_a_budget_below_the_sharded_parameters_fails_before_profiling() -> None:
+def test_a_budget_below_the_sharded_parameters_names_the_smallest_budget_that_trains() -> None:
     """A budget above the 4 KiB floor but below what any plan keeps (the parameters, sharded over every rank) is the
-    documented InfeasibleBudgetError at the start of setup, with the figure, not after profiling."""
+    documented InfeasibleBudgetError at the start of setup, without measuring the model: the floor, and the smallest
+    budget that trains, from a profile on fake tensors. Before: the message named the floor alone, and a user looking
+    for the smallest budget had to guess again and again; that budget now trains."""
     from lightning_osdp import InfeasibleBudgetError
 
     from models import TinyGPT, loaders, quiet_trainer
@@ -85,8 +87,14 @@ def test_a_budget_below_the_sharded_parameters_fails_before_profiling() -> None:
     trainer = quiet_trainer(OSDPStrategy(memory_budget=least // 2, memory_headroom=0.0), devices=1, max_steps=1)
     with pytest.raises(InfeasibleBudgetError, match="cannot hold the model's parameters even sharded") as info:
         trainer.fit(model, loaders()[0])
-    assert info.value.minimum == least and format_bytes(least) in str(info.value)
-    assert trainer.strategy.profile is None  # nothing was profiled
+    minimum = info.value.minimum
+    assert minimum > least and format_bytes(least) in str(info.value)
+    assert f"the smallest budget any plan meets is {format_bytes(minimum)} ({minimum} bytes)" in str(info.value)
+    assert trainer.strategy.profile is None  # nothing was measured
+
+    trainer = quiet_trainer(OSDPStrategy(memory_budget=minimum, memory_headroom=0.0), devices=1, max_steps=1)
+    trainer.fit(TinyGPT(), loaders()[0])
+    assert trainer.global_step == 1
 
 
 def test_osdp_plan_memory_follows_the_same_rule(capsys: pytest.CaptureFixture[str]) -> None:
