@@ -9,7 +9,8 @@ runs, the profile itself (a collective), and the printout and files of a plan so
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_osdp import checkpoint as osdp_checkpoint
-from lightning_osdp import options
-from lightning_osdp._compat import fit_ckpt_path, fit_train_dataloader
+from lightning_osdp import distributed, options
+from lightning_osdp._compat import fit_ckpt_path, fit_train_dataloader, tree_leaves
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.plan import Plan
@@ -35,7 +36,7 @@ from lightning_osdp.topology import Topology
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["PlannerOptions", "RunPlanner", "representative_batch"]
+__all__ = ["PlannerOptions", "RunPlanner", "largest_batch", "representative_batch"]
 
 
 @dataclass(frozen=True)
@@ -99,20 +100,56 @@ class PlannerOptions:
         return predict(profile, plan, topology).peak_bytes <= planned_budget(budget, self.headroom)
 
 
+#: How many batches of the train dataloader each rank looks at for the largest (see :func:`largest_batch`).
+SCANNED_BATCHES = 32
+
+
+def _tensor_bytes(batch: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+
+
+def largest_batch(loader: Iterable[Any], scanned: int = SCANNED_BATCHES) -> tuple[Any, int, int]:
+    """The batch with the most tensor bytes among the first ``scanned`` of ``loader``, its index and how many were
+    looked at.
+
+    [Note: batches whose shape varies]
+    The profile's batch sets the activations the plan is sized for, so it must be the largest the run meets: a collator
+    that pads each batch to its own longest sequence, or a last smaller batch, makes the first batch any size. Each
+    rank looks at its loader's batches, without running them, up to :data:`SCANNED_BATCHES` (a count, not a time: the
+    same loader gives the same batch, so the same plan, on any machine), and the largest over all ranks is profiled
+    (:func:`representative_batch`); a larger one later in the epoch is what the step monitor's measured-peak check
+    reports. A loader's iterator draws its base seed from the global RNG: the scan runs on a fork of it, so that the
+    run's stream (its shuffle, the dropout masks, a meta model's initialization) is the one it would be without it."""
+    best, best_bytes, index, seen = None, -1, 0, 0
+    with torch.random.fork_rng(devices=[]):
+        for seen, batch in enumerate(itertools.islice(loader, scanned), start=1):
+            nbytes = _tensor_bytes(batch)
+            if nbytes > best_bytes:
+                best, best_bytes, index = batch, nbytes, seen - 1
+    if seen == 0:
+        raise RuntimeError("the train dataloader gave no batch: OSDP plans from a representative batch")
+    return best, index, seen
+
+
 def representative_batch(
     trainer: pl.Trainer, module: pl.LightningModule, to_device: Callable[[Any], Any]
 ) -> tuple[Any, str, str]:
-    """The batch profiling runs, where it came from, and the step it runs: the first batch of the fit's train
-    dataloader, else ``example_input_array`` through ``forward`` (``lightning_osdp.profiling`` [Note: the
-    representative batch])."""
+    """The batch profiling runs, where it came from, and the step it runs: the largest of the first batches of the fit's
+    train dataloader over all ranks (:func:`largest_batch`), else ``example_input_array`` through ``forward``
+    (``lightning_osdp.profiling`` [Note: the representative batch]). A collective when the process group exists."""
     if trainer.state.fn == TrainerFn.FITTING:
         loader = fit_train_dataloader(trainer)
         if loader is not None:
-            # A loader's iterator draws its base seed from the global RNG: forked, so that the run's stream (the
-            # dropout masks, a meta model's initialization) is the one it would be without profiling.
-            with torch.random.fork_rng(devices=[]):
-                batch = next(iter(loader))
-            return to_device(batch), "first batch of the train dataloader", "training_step"
+            batch, index, seen = largest_batch(loader)
+            where = f"#{index}"
+            if distributed.is_distributed():
+                sizes = distributed.all_gather(_tensor_bytes(batch))
+                owner = max(range(len(sizes)), key=lambda r: (sizes[r], -r))
+                if owner != 0:  # rank 0's profile is the one every rank plans from
+                    batch = distributed.broadcast(batch if distributed.rank() == owner else None, src=owner)
+                    where = f"rank {owner}'s"
+            source = f"largest of the first {seen} batches of the train dataloader per rank ({where})"
+            return to_device(batch), source, "training_step"
     if module.example_input_array is not None:
         return to_device(module.example_input_array), "example_input_array", "forward"
     raise RuntimeError(

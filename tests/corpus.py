@@ -127,7 +127,7 @@ class LlamaPretrained(LossRecorder):
 
     def __init__(self) -> None:
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
         self.model = LlamaForCausalLM(llama_config())
 

@@ -23,9 +23,11 @@ the same operators). When that peak, beside what the model itself holds on the d
 another device (a dry run), ``"auto"`` is *estimated*.
 
 [Note: the representative batch]
-The caller gives the batch; its shapes decide activation sizes and times, so it must be a full-size batch of the
-run (not a smaller last batch), on this rank (the per-device batch). The strategy passes the first batch of the
-fit's train dataloader, which runs the real ``training_step`` and its loss; failing that, the LightningModule's
+The caller gives the batch; its shapes decide activation sizes and times, so it must be the largest batch of the
+run (not a smaller last batch, not a short one of a collator that pads to each batch's longest), on this rank (the
+per-device batch). The strategy passes the largest of the first batches of the fit's train dataloader over all ranks
+(``lightning_osdp/planning.py`` [Note: batches whose shape varies]), which runs the real ``training_step`` and its
+loss; failing that, the LightningModule's
 ``example_input_array`` with ``step="forward"`` (it is ``forward``'s input, and the loss is then the output's
 sum). ``batch_source`` records which. A user who wants another batch profiles it and hands the profile over.
 """

@@ -1277,13 +1277,21 @@ def _minimum(
 ) -> tuple[Plan, int]:
     """The plan of smallest peak, and the budget :func:`solve` accepts for it: its predicted peak, or the ILP's
     when larger (the ILP bounds pending buffers after DDP segments from above: timeline.py); ``settle_at`` as for
-    :func:`minimum_budget`."""
+    :func:`minimum_budget`. The plan that shards nothing is weighed by its exact prediction, as :func:`solve` accepts
+    it (:func:`_check_replicated`): where sharding saves less than it adds (a frozen backbone, whose parameters have
+    no gradients or optimizer state), it is the smallest, and the ILP's bound alone would name a budget above it."""
     be = problem.build(peak_only=True)
     chosen, _ = problem.solve_ilp(be, budget=None, gap=gap, time_limit=time_limit, solver=solver, settle_at=settle_at)
     if chosen is None:
         raise SolverError("the minimum-memory problem is infeasible: this is a bug in the cost model")
     plan = problem.plan(chosen)
-    return plan, max(problem.predict(plan).peak_bytes, _ilp_figures(be, chosen)[0])
+    minimum = max(problem.predict(plan).peak_bytes, _ilp_figures(be, chosen)[0])
+    replicated = _all_no_shard(problem, be)
+    if replicated is not None and replicated != chosen:
+        exact = problem.predict(problem.plan(replicated)).peak_bytes
+        if exact < minimum:
+            return problem.plan(replicated), exact
+    return plan, minimum
 
 
 def solve(

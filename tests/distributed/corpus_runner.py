@@ -1,9 +1,9 @@
 """The user corpus (``tests/corpus.py``) under the default ``strategy="osdp"`` and Lightning's DDP on 2 ranks.
 
 Usage: ``corpus_runner.py OUT_DIR CASE [CASE ...]``; a case is ``MODEL:RUN``, ``RUN`` one of ``ddp`` (Lightning's DDP
-strategy), ``ample`` (OSDP at twice DDP's predicted need) and ``tight`` (OSDP at :data:`TIGHT` of the way from the planner's
-minimum to DDP's need: it shards and recomputes). OSDP is given nothing but the budget (and, for a model built on meta,
-the pretrained folder DDP loads too). Each case writes ``OUT_DIR/MODEL-RUN.rank{R}.pt``.
+strategy), ``ample`` (OSDP at twice DDP's predicted need) and ``tight`` (OSDP at :data:`TIGHT` of the way from the
+planner's minimum to DDP's need: it shards and recomputes). OSDP is given nothing but the budget (and, for a model
+built on meta, the pretrained folder DDP loads too). Each case writes ``OUT_DIR/MODEL-RUN.rank{R}.pt``.
 """
 
 from __future__ import annotations
@@ -24,22 +24,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from clean_exit import finish
 
 from lightning_osdp import OSDPStrategy, Plan, minimum_budget, predict, profile
+from lightning_osdp.planning import largest_batch
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 
 from corpus import CASES, Case, quiet_hf
 from models import quiet_trainer
-
 
 #: Where the tight budget sits between the planner's minimum (0) and DDP's predicted need (1).
 TIGHT = 0.3
 
 
 def budgets(case: Case) -> dict[str, int]:
+    """DDP's predicted need and the planner's minimum on the largest batch of the whole dataset (at least the one OSDP
+    plans from, the largest of each rank's first batches). The minimum is the larger of the measured profile's and the
+    one on fake tensors (which OSDP plans from when a copy of the step does not fit): a step with data-dependent shapes
+    (a mixture of experts' routing) is counted at its upper bound there, and a budget between the two would be
+    refused, with the smallest budget named."""
     torch.manual_seed(0)
     model = case.build()
-    prof = profile(model, next(iter(case.loader())))
-    ddp = predict(prof, Plan.uniform(model, "no_shard"), dist.get_world_size()).peak_bytes
-    low = minimum_budget(prof, dist.get_world_size())
-    return {"ample": 2 * ddp, "tight": int(low + TIGHT * (ddp - low)) + 1}
+    batch = largest_batch(case.loader(), scanned=10**9)[0]
+    measured = profile(model, batch)
+    ddp = predict(measured, Plan.uniform(model, "no_shard"), dist.get_world_size()).peak_bytes
+    low = max(minimum_budget(p, dist.get_world_size()) for p in (measured, profile(model, batch, mode="estimated")))
+    # The planner plans against the budget less its headroom.
+    tight = (low + TIGHT * max(ddp - low, 0)) / (1 - DEFAULT_MEMORY_HEADROOM)
+    return {"ample": 2 * ddp, "tight": int(tight) + 1}
 
 
 def pretrained_folder(case: Case, out: Path, name: str) -> Path:
