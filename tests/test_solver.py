@@ -530,3 +530,18 @@ def test_the_cbc_model_file_is_pulps_byte_for_byte_through_every_phase(tmp_path)
     for _ in range(2):  # a new objective (twice: the first one freed, its id may be the third's)
         prob.setObjective(pulp.lpSum(2.5 * x for x in xs[:7]))
         same()
+
+
+def test_the_minimum_budget_is_no_larger_than_the_replicated_plans_exact_peak() -> None:
+    """A frozen backbone has no gradients or optimizer state to shard, so sharding it mostly adds gathered buffers: the
+    plan that shards nothing is the smallest. Before, minimum_budget reported the ILP's upper bound of another plan,
+    above it (646,056 against 640,656 bytes on this profile of tests/corpus.py's FrozenBackboneAdapters), and a budget
+    between the two, which solve() accepts, was refused as below the minimum."""
+    from pathlib import Path
+
+    profile = ModelProfile.load(Path(__file__).parent / "data" / "frozen_backbone_profile.json")
+    replicated = predict(profile, Plan({"": "no_shard"}), 2).peak_bytes
+    minimum = minimum_budget(profile, 2)
+    assert minimum <= replicated
+    plan = solve(profile, minimum, 2)  # the minimum is a budget solve() accepts
+    assert predict(profile, plan, 2).peak_bytes <= minimum
