@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
@@ -29,6 +29,7 @@ from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.collectives import NodeGroups
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.setup_log import SetupLog
 from lightning_osdp.solver.ilp import DEFAULT_GAP
 from lightning_osdp.solver.resolve import Resolution, resolve_plan
 from lightning_osdp.topology import Topology
@@ -158,6 +159,19 @@ def representative_batch(
     )
 
 
+def _profiled(profile: ModelProfile) -> str:
+    why = profile.info.get("mode", "")
+    return (
+        f"{profile.mode} ({why.removeprefix('auto: ') if why else 'as asked'}), on {profile.batch.get('source', '')}; "
+        f"collective benchmark {profile.info.get('collectives_seconds', 0.0):.1f} s"
+    )
+
+
+def _solved(plan: Plan) -> str:
+    report = plan.report
+    return plan.summary() + (f", {report.status}" if report is not None else "")
+
+
 @dataclass
 class RunPlanner:
     """One run's planning in ``setup``: everything the strategy knows that the plan depends on.
@@ -190,6 +204,8 @@ class RunPlanner:
     is_global_zero: bool
     #: The profile file saved beside a plan solved here (rank 0), where a measured correction is recorded.
     profile_file: Path | None = None
+    #: Where the stages are told (profiling, solving), with their seconds.
+    log: SetupLog = field(default_factory=SetupLog)
 
     def resolve(
         self, trainer: pl.Trainer, module: pl.LightningModule, given: Plan | None, to_device: Callable[[Any], Any]
@@ -201,10 +217,14 @@ class RunPlanner:
             resumed=self._resumed(trainer, module),
             topology=self.topology,
             fits=lambda profile, plan: self.options.fits(profile, plan, self.budget, self.topology),
-            solve=lambda profile: from_rank_zero(
-                lambda: self.options.plan(profile, self.budget, self.topology), what="planning"
+            solve=lambda profile: self.log.timed(
+                "solving the plan",
+                lambda: from_rank_zero(lambda: self.options.plan(profile, self.budget, self.topology), what="planning"),
+                done=lambda plan: f"{_solved(plan)} under {format_bytes(self.budget)} per device",
             ),
-            profile=lambda: self._profile(trainer, module, to_device),
+            profile=lambda: self.log.timed(
+                "profiling the model", lambda: self._profile(trainer, module, to_device), done=_profiled
+            ),
         )
         for message in resolution.messages:
             rank_zero_info(f"OSDP: {message}")

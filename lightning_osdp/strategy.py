@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -46,6 +46,7 @@ from lightning_osdp.planning import PlannerOptions, RunPlanner
 from lightning_osdp.precision import OSDPPrecision, osdp_precision
 from lightning_osdp.processes import ProcessGroupStrategy, StartMethod
 from lightning_osdp.profiling.model_profile import ModelProfile
+from lightning_osdp.setup_log import SetupLog
 from lightning_osdp.solver.ilp import DEFAULT_GAP
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM
 from lightning_osdp.step_monitor import SetupMeter, StepMonitor
@@ -344,12 +345,14 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         assert self.model is not None
         # The budget holds from the first line of setup: its peak is measured as a step's is (see `memory_steps`).
         meter = SetupMeter(self.root_device, measure=self._memory_steps > 0)
+        log = SetupLog()
         with meter.measuring(self.model):
-            self._setup(trainer)
+            self._setup(trainer, log)
         self._setup_peak = meter.peak
+        log.finish()
         meter.warn_over(self._memory_budget)
 
-    def _setup(self, trainer: pl.Trainer) -> None:
+    def _setup(self, trainer: pl.Trainer, log: SetupLog) -> None:
         assert self.model is not None
         assert self.accelerator is not None
         preemption.install(trainer)  # before Lightning registers its SIGTERM handler (lightning_osdp/preemption.py)
@@ -371,26 +374,29 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             # A model built on meta is materialized by the executor once sharded; one built for real moves whole, as
             # under Lightning's DDP (see docs/large-models.md).
             self.model_to_device()
-            planner = self._run_planner()
+            planner = self._run_planner(log)
             resolution = planner.resolve(trainer, module, self._plan, self.batch_to_device)
             self._plan, self._profile, self._profile_file = resolution.plan, resolution.profile, planner.profile_file
             find_unused = self._find_unused_parameters
-            self._root = apply_plan(
-                module,
-                self._plan,
-                mesh=self.device_mesh,
-                hybrid_mesh=self.hybrid_mesh,
-                mp_policy=self._mp_policy,
-                find_unused_parameters=not module.automatic_optimization if find_unused is None else find_unused,
-                device=self.root_device,
-            )
-            osdp_checkpoint.initialize_weights(
-                module,
-                self._root.uninitialized,
-                pretrained=self._pretrained,
-                prefix=self._pretrained_prefix,
-                resuming=fit_ckpt_path(trainer) is not None,
-            )
+            meta = has_meta_tensors(module)
+            with log.stage("applying the plan" + (" and materializing the shards" if meta else "")):
+                self._root = apply_plan(
+                    module,
+                    self._plan,
+                    mesh=self.device_mesh,
+                    hybrid_mesh=self.hybrid_mesh,
+                    mp_policy=self._mp_policy,
+                    find_unused_parameters=not module.automatic_optimization if find_unused is None else find_unused,
+                    device=self.root_device,
+                )
+            with log.stage(f"reading {self._pretrained}") if self._pretrained is not None else nullcontext():
+                osdp_checkpoint.initialize_weights(
+                    module,
+                    self._root.uninitialized,
+                    pretrained=self._pretrained,
+                    prefix=self._pretrained_prefix,
+                    resuming=fit_ckpt_path(trainer) is not None,
+                )
             budget = format_bytes(self._memory_budget)
             rank_zero_info(
                 f"OSDP: {self._plan.summary()} on {self.world_size} ranks, memory budget {budget} per device"
@@ -407,7 +413,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    def _run_planner(self) -> RunPlanner:
+    def _run_planner(self, log: SetupLog) -> RunPlanner:
         assert self._memory_budget is not None
         return RunPlanner(
             self._planner,
@@ -421,6 +427,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             node_groups=self._mesh().node_groups(),
             plan_out=self._plan_out,
             is_global_zero=self.is_global_zero,
+            log=log,
         )
 
     def _attach_monitor(self, trainer: pl.Trainer) -> None:

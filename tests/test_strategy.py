@@ -256,3 +256,20 @@ def test_resume_reuses_the_saved_plan_and_profile_unless_the_budget_changed(
         _trainer(changed, max_steps=3).fit(TinyGPT(), train, ckpt_path=tmp_path / "step2.ckpt")
     assert "re-planning: the memory budget changed" in caplog.text
     assert (tmp_path / "plan3.json").exists()
+
+
+def test_setup_says_each_stage_as_it_starts_and_ends_with_its_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    train, _ = loaders()
+    with caplog.at_level("INFO"):
+        _trainer(OSDPStrategy(memory_budget="1GiB")).fit(TinyGPT(), train)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("OSDP:")]
+    stages = ["profiling the model", "solving the plan", "applying the plan"]
+    for stage in stages:
+        assert f"OSDP: {stage}..." in lines, stage
+        assert any(line.startswith(f"OSDP: {stage}: ") and line.endswith(" s") for line in lines), stage
+    # In order, each ended before the next started, and the last line sums them up.
+    started = [lines.index(f"OSDP: {stage}...") for stage in stages]
+    assert started == sorted(started)
+    assert "measured" in next(line for line in lines if line.startswith("OSDP: profiling the model: "))
+    assert "under 1.00 GiB per device" in next(line for line in lines if line.startswith("OSDP: solving the plan: "))
+    assert any(line.startswith("OSDP: setup took ") for line in lines[started[-1] :])
