@@ -142,10 +142,14 @@ def test_state_computed_from_the_type_equals_a_real_instance_after_a_step(make: 
 
 
 class ThreeBuffers(torch.optim.Optimizer):
-    """An optimizer profiling does not know: three parameter-sized buffers and a 0-dim counter per parameter."""
+    """An optimizer profiling does not know: three parameter-sized buffers and a 0-dim counter per parameter.
 
-    def __init__(self, params: Any, lr: float = 0.01, branch_on_values: bool = False) -> None:
-        super().__init__(params, {"lr": lr, "branch_on_values": branch_on_values})
+    ``reads="values"`` branches on a gradient's value (stand-in values let it step on fake tensors);
+    ``reads="pointers"`` asks for a gradient's address, as a C extension's fused kernel does (no fake tensor has one).
+    """
+
+    def __init__(self, params: Any, lr: float = 0.01, reads: str = "") -> None:
+        super().__init__(params, {"lr": lr, "reads": reads})
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -153,8 +157,10 @@ class ThreeBuffers(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if group["branch_on_values"] and bool(p.grad.abs().max() > 1e9):
-                    continue  # control flow on values: cannot run on fake tensors
+                if group["reads"] == "values" and bool(p.grad.abs().max() > 1e9):
+                    continue
+                if group["reads"] == "pointers":
+                    assert p.grad.data_ptr() != 0
                 state = self.state[p]
                 if not state:
                     state["count"] = torch.zeros(())
@@ -165,12 +171,17 @@ class ThreeBuffers(torch.optim.Optimizer):
 
 
 @pytest.mark.parametrize(
-    ("mode", "branch", "source"),
-    [("measured", False, "instance"), ("estimated", False, "instance"), ("estimated", True, "proxy")],
+    ("mode", "reads", "source"),
+    [
+        ("measured", "", "instance"),
+        ("estimated", "", "instance"),
+        ("estimated", "values", "instance"),
+        ("estimated", "pointers", "proxy"),
+    ],
 )
-def test_unknown_optimizer_state_is_counted_from_a_real_instance(mode: str, branch: bool, source: str) -> None:
+def test_unknown_optimizer_state_is_counted_from_a_real_instance(mode: str, reads: str, source: str) -> None:
     model = HandCounted()
-    optimizer = ThreeBuffers(model.parameters(), branch_on_values=branch)
+    optimizer = ThreeBuffers(model.parameters(), reads=reads)
     result = profile(model, torch.tensor([[1, 2, 3]]), optimizer=optimizer, mode=mode)
     assert result.info["optimizer_state"] == source
     assert result.optimizer == "ThreeBuffers"
@@ -362,6 +373,31 @@ def test_auto_mode_measures_a_copy_whose_step_fits_beside_the_model_and_times_bl
     # Another device's rates: a dry run, estimated.
     rates = DeviceRates("cuda", "float32", 1e-5, 1e12, 1e-5, 1e11)
     assert profile(model, batch, rates=rates).mode == "estimated"
+
+
+def test_auto_mode_measures_a_copy_only_when_its_steady_state_step_fits_beside_the_model() -> None:
+    # The traced step is the first: its momentum buffers appear in its optimizer step, after its backward. Every
+    # later step runs its forward and backward beside them, so the copy's peak is the first step's plus its state.
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    batch = torch.randn(2048, 256)
+
+    def sgd(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    replica = copy.deepcopy(model)
+    optimizer = sgd(replica.parameters())
+    tracker = LiveStorageTracker("cpu").start(replica, optimizer)
+    peaks = []
+    for _ in range(3):
+        replica(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        peaks.append(tracker.peak)
+    tracker.stop()
+    assert peaks[0] < peaks[1] == peaks[2]  # the momentum makes the steady state larger than the first step
+    needed = sum(p.nbytes for p in model.parameters()) + peaks[-1]  # the model beside its copy
+    assert profile(model, batch, optimizer=sgd, available_memory=int(needed * 1.01)).mode == "measured"
+    assert profile(model, batch, optimizer=sgd, available_memory=int(needed * 0.99)).mode == "blocks"
 
 
 class BigAndSmall(nn.Module):

@@ -48,9 +48,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_osdp._compat import fake_tensor_mode, tree_leaves, tree_map
-from lightning_osdp.budget import device_memory_capacity
+from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.distributed import from_rank_zero
-from lightning_osdp.memory import memory_meter
+from lightning_osdp.memory import LiveStorageTracker, MemoryMeter, memory_meter
 from lightning_osdp.profiling.blocks import measure_blocks
 from lightning_osdp.profiling.collectives import (
     DEFAULT_SIZES,
@@ -169,7 +169,11 @@ class _Session:
         self._counting = False
         self._counted: list[Optimizer] = []
         self._optimizer_seconds = 0.0
-        self.peak_bytes = 0  # the traced step's largest live bytes
+        # The largest live bytes of a step in steady state (see `traced_step`), and of the traced step before any
+        # optimizer state existed.
+        self.peak_bytes = 0
+        self._meter: MemoryMeter | None = None
+        self._stateless_peak = 0
 
     def _backward(self, loss: Tensor, tracer: ModuleTracer | None, *args: Any, **kwargs: Any) -> None:
         if not loss.requires_grad:
@@ -191,6 +195,8 @@ class _Session:
         """Step ``optimizers``; in the traced step, count their state (by rule, else from the stepped instance, else
         from a proxy when the step cannot run on fake tensors) the first time each steps."""
         new = [o for o in optimizers if self._counting and o not in self._counted]
+        if new and not self._counted and isinstance(self._meter, LiveStorageTracker):
+            self._stateless_peak = self._meter.peak  # the forward and backward, before the first state is allocated
         self._counted.extend(new)
         unknown = state_from_rule(new, self.work, self.state) if new else []
         for optimizer in optimizers:
@@ -261,13 +267,17 @@ class _Session:
     def traced_step(self) -> StepRecord:
         """The step that records activations, FLOPs, gradients, optimizer state and the loss region's memory."""
         excluded = [*self.work.parameters(), *self.work.buffers(), *tree_leaves(self.runner.batch)]
-        meter = memory_meter(self.device, fake=self.estimated).start(self.work, *self.optimizers)
+        meter = self._meter = memory_meter(self.device, fake=self.estimated).start(self.work, *self.optimizers)
         region = LossRegionRecorder(meter)
         try:
             with self.tracer.iteration(memory=True, ops=True, excluded=excluded, region=region) as record:
                 self._run_step(self.tracer, counting=True)
         finally:
-            self.peak_bytes = meter.stop()
+            peak, self._meter = meter.stop(), None
+        # The traced step is the first: its optimizers allocate their state in its optimizer step, after its backward.
+        # Every later step runs its forward and backward beside that state, so its peak is that of the first step's
+        # forward and backward plus the state.
+        self.peak_bytes = max(peak, self._stateless_peak + self.state.total_tensor_bytes)
         self.loss_memory = region.result()
         return record
 
@@ -736,10 +746,14 @@ def _profile_locally_forked(request: _Request) -> ModelProfile:
     needed = live + traced.peak_bytes
     if needed <= limit:
         measured = _trace(request, fake=False).profile
-        measured.info["mode"] = f"auto: a copy's step ({needed} bytes with the model) fits in {limit}"
+        measured.info["mode"] = (
+            f"auto: a copy's step ({format_bytes(needed)} with the model) fits in {format_bytes(limit)}"
+        )
         return measured
     profile = _timed_from_rates(traced, request, blocks=True)
-    profile.info["mode"] = f"auto: a copy's step ({needed} bytes with the model) does not fit in {limit}"
+    profile.info["mode"] = (
+        f"auto: a copy's step ({format_bytes(needed)} with the model) does not fit in {format_bytes(limit)}"
+    )
     return profile
 
 
