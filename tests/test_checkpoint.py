@@ -101,6 +101,20 @@ def test_slice_map_is_the_one_translation_of_names_shapes_and_optimizer_groups()
     assert [g["params"] for g in grouped] == optimizer_param_names(model, optimizer)
 
 
+def test_the_buffers_a_sharded_save_writes_from_rank_0_are_found_whatever_their_wrapper_names() -> None:
+    """The model state names a compiled block's buffers ``1.running_mean``, ``named_buffers()`` names them
+    ``1._orig_mod.running_mean``: the buffers are told by their storage, parameters are never among them."""
+    from lightning_osdp.checkpoint.sharded import buffer_keys
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4))
+    model[1] = torch.compile(model[1])  # wrapped only: nothing is compiled before a call
+    model[2].register_buffer("scratch", torch.zeros(2), persistent=False)  # in no state dict
+    state = ckpt.sharded_model_state(model)
+    assert next(n for n, _ in model.named_buffers()) == "1._orig_mod.running_mean"
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    assert sorted(buffer_keys(model, state)) == sorted(f"{i}.{name}" for i in (1, 2) for name in stats)
+
+
 def test_optimizer_states_convert_to_and_from_pytorch_format() -> None:
     named = {
         "state": {"b": {"step": torch.tensor(3.0)}, "a": {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
@@ -700,6 +714,70 @@ def test_consolidated_checkpoint_loads_without_osdp_and_equals_what_ddp_writes(r
     half = tmp_path / "x.ckpt.tmp-1"
     half.mkdir()
     assert consolidate_main([str(half), str(tmp_path / "y.ckpt")]) == 2  # `osdp consolidate`'s refusal
+
+
+# ============================================================================================== buffers
+@pytest.fixture(scope="module")
+def batchnorm_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The runner's ``batchnorm`` launch (2 ranks): BatchNormCNN saved at the end of epoch 0 and resumed."""
+    out = tmp_path_factory.mktemp("batchnorm")
+    torchrun(RUNNER, str(out), "batchnorm", timeout=600)
+
+    class Runs:
+        path = out
+
+        def __call__(self, name: str, rank: int = 0) -> dict[str, Any]:
+            return torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+
+    return Runs()
+
+
+def _buffer_diffs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Buffers that are not bit-equal -> their relative difference; empty when all are."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    return {k: _max_rel(got[k], want[k]) for k in want if not torch.equal(got[k], want[k])}
+
+
+def _assert_continues_bit_equal(runs: Any, resumed: str, uninterrupted: str, *, steps_before: int) -> None:
+    """Run ``resumed`` (from the checkpoint at step ``steps_before``, an epoch's end) continues ``uninterrupted`` bit
+    for bit on every rank: losses, each rank's own buffers, and the model (parameters and buffers) and optimizer."""
+    for rank in range(2):
+        got, want = runs(resumed, rank), runs(uninterrupted, rank)
+        assert got["error"] is None, got["error"]
+        assert got["losses"] == want["losses"][steps_before:], rank
+        assert _buffer_diffs(got["buffers"]["end"], want["buffers"]["end"]) == {}, f"rank {rank}'s buffers"
+    got, want = runs(resumed)["states"]["end"], runs(uninterrupted)["states"]["end"]
+    assert state_diff(got["model"], want["model"]) == 0.0
+    assert optim_diff(got["optim"], want["optim"]) == 0.0
+
+
+@multiprocess
+@pytest.mark.parametrize("plan", ["bn_sharded", "bn_mixed"])
+def test_a_sharded_checkpoint_holds_rank_0_buffers_and_resumes_bit_equal_in_parameters_and_buffers(
+    batchnorm_runs: Any, plan: str
+) -> None:
+    """Training broadcasts rank 0's buffers before each training forward (DDP's semantics, every plan shape): a
+    sharded checkpoint holds rank 0's, as a full one does, whichever rank DCP's de-duplication of replicated tensors
+    would pick to write them; a resume then continues the uninterrupted run in parameters and buffers."""
+    at_save = [batchnorm_runs(f"BN_{plan}", rank)["buffers"][4] for rank in range(2)]
+    statistics = [k for k in at_save[0] if "running_" in k]
+    assert len(statistics) == 6
+    # Precondition: at the save each rank holds the statistics of its own batch, so another rank's would show.
+    assert all(not torch.equal(at_save[0][k], at_save[1][k]) for k in statistics)
+    path = batchnorm_runs.path / f"BN_{plan}" / "epoch=0.ckpt"
+    assert path.is_dir()
+    saved = ckpt.read_sharded_tensors(path, ["state_dict"])["state_dict"]
+    assert _buffer_diffs({k: saved[k] for k in at_save[0]}, at_save[0]) == {}
+    _assert_continues_bit_equal(batchnorm_runs, f"BN_{plan}_resumed", f"BN_{plan}", steps_before=4)
+
+
+@multiprocess
+def test_a_consolidated_batchnorm_checkpoint_resumes_bit_equal_in_parameters_and_buffers(batchnorm_runs: Any) -> None:
+    path = batchnorm_runs.path / "BN_bn_mixed.full.ckpt"
+    rank0 = batchnorm_runs("BN_bn_mixed")["buffers"][4]
+    state = torch.load(path, weights_only=True)["state_dict"]
+    assert _buffer_diffs({k: state[k] for k in rank0}, rank0) == {}
+    _assert_continues_bit_equal(batchnorm_runs, "BN_bn_mixed_consolidated", "BN_bn_mixed", steps_before=4)
 
 
 # ============================================================================================== concurrent saves

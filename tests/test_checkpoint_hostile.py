@@ -18,7 +18,7 @@ import sys
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,94 @@ def test_consolidating_a_checkpoint_onto_itself_is_refused_and_loses_nothing(
     # Through the link, to another name: allowed, and the source is untouched.
     assert osdp(["consolidate", str(tmp_path / "link.ckpt"), str(tmp_path / "out.ckpt")]) == 0
     assert files_of(path) == before
+
+
+_ALIASED = """
+import contextlib, io, json, os, sys
+from lightning_osdp.cli import main as osdp
+src, outs = sys.argv[1], sys.argv[2:]
+results = []
+for out in outs:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = osdp(["consolidate", src, out, "--weights-only"])
+    results.append({"out": out, "code": code, "err": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def _bind_mounts_work(tmp_path: Path) -> bool:
+    """Whether this machine lets a process bind-mount in a mount namespace of its own (``unshare -rm``)."""
+    a, b = tmp_path / "probe_a", tmp_path / "probe_b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        proc = subprocess.run(
+            ["unshare", "-rm", "mount", "--bind", str(a), str(b)], capture_output=True, text=True, timeout=60
+        )
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def test_consolidating_onto_itself_through_a_bind_mount_is_refused_and_loses_nothing(
+    saved: Saved, tmp_path: Path
+) -> None:
+    """``alias/`` a bind mount of the checkpoint's parent (``mount --bind``, in a mount namespace of the command's
+    own): ``alias/src.ckpt`` is the same directory (device and inode) under a path no link resolution leads to.
+    Before: exit 0, the sharded checkpoint and its optimizer state replaced by a weights-only file."""
+    if not _bind_mounts_work(tmp_path):
+        pytest.skip("no bind mounts here (unshare -rm mount --bind is refused)")
+    parent = tmp_path / "real"
+    parent.mkdir()
+    path = copy(saved.sharded, parent / "src.ckpt")
+    before = files_of(path)
+    alias, inner = tmp_path / "alias", tmp_path / "inner"
+    alias.mkdir()
+    inner.mkdir()
+    outs = [alias / "src.ckpt", inner, inner / "inside.ckpt", alias / "src.ckpt" / "inside.ckpt"]
+    mounts = f"mount --bind {parent} {alias} && mount --bind {path} {inner}"
+    checks = f"stat -L -c '%d %i' {path} {alias / 'src.ckpt'} {inner}"
+    command = f'{mounts} && {checks} && exec {sys.executable} -c "$0" "$@"'
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", command, _ALIASED, str(path), *map(str, outs)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(set(lines[:3])) == 1, lines[:3]  # precondition: one directory (device, inode) under three paths
+    for result in json.loads(lines[-1]):
+        assert result["code"] == 2, result
+        assert "the checkpoint being consolidated" in result["err"] and "src.ckpt" in result["err"], result
+    assert files_of(path) == before
+    assert len(ckpt.load_checkpoint(path)["optimizer_states"]) == 1
+
+
+def test_consolidating_onto_itself_through_a_linked_parent_or_a_hard_link_is_refused(
+    saved: Saved, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A symbolic link to the checkpoint's parent directory (``link/src.ckpt``), and a hard link of a single-file
+    checkpoint (one inode, two names, which no path resolution relates): refused, nothing lost."""
+    parent = tmp_path / "real"
+    parent.mkdir()
+    path = copy(saved.sharded, parent / "src.ckpt")
+    before = files_of(path)
+    (tmp_path / "link").symlink_to(parent)
+    for out in (tmp_path / "link" / "src.ckpt", tmp_path / "link" / "src.ckpt" / "inside.ckpt"):
+        assert osdp(["consolidate", str(path), str(out), "--weights-only"]) == 2, out
+        err = capsys.readouterr().err
+        assert "the checkpoint being consolidated" in err, err
+    assert files_of(path) == before
+    full = copy(saved.full, parent / "full.ckpt")
+    os.link(full, tmp_path / "hard.ckpt")
+    content = full.read_bytes()
+    assert osdp(["consolidate", str(full), str(tmp_path / "hard.ckpt"), "--weights-only"]) == 2
+    assert "already consolidated" in capsys.readouterr().err
+    assert full.read_bytes() == content and os.path.samefile(full, tmp_path / "hard.ckpt")
 
 
 # ============================================================================================== symbolic links
@@ -263,6 +351,109 @@ def test_a_checkpoint_replaced_while_it_is_read_gives_one_whole_generation_or_a_
                 outcomes.append(0)
     # A swap before the first open gives the new generation whole; the others, either one whole or the error.
     assert outcomes[0] == 2 and set(outcomes) <= {0, 1, 2}, outcomes
+
+
+class _Stopped(Exception):
+    """Raised from the audit hook to stop a deletion half-way: what a reader sees while it is in progress."""
+
+
+def remove_stopped_at(path: Path, event: int) -> int:
+    """``layout.remove_checkpoint(path)`` (what ``ModelCheckpoint(save_top_k=...)`` calls, through the strategy, on
+    the save it drops), stopped just before its ``event``-th renaming or removal of a file or directory (0: run
+    whole). Returns how many such steps it took (or reached)."""
+    steps = [0]
+
+    def hook(name: str, args: tuple[Any, ...]) -> None:
+        if name in ("os.rename", "os.remove", "os.rmdir", "shutil.rmtree"):
+            steps[0] += 1
+            if steps[0] == event:
+                raise _Stopped
+
+    HOOKS.append(hook)
+    try:
+        ckpt.layout.remove_checkpoint(path)
+    except _Stopped:
+        pass
+    finally:
+        HOOKS.remove(hook)
+    return steps[0]
+
+
+def _rotation(tmp_path: Path) -> tuple[Path, Path]:
+    """``last.ckpt -> step=1.ckpt`` as ``ModelCheckpoint(save_last="link")`` makes it, generation 1 saved."""
+    for leftover in tmp_path.glob("step=1.ckpt*"):
+        shutil.rmtree(leftover)
+    saved, last = tmp_path / "step=1.ckpt", tmp_path / "last.ckpt"
+    save_generation(saved, 1)
+    if not last.is_symlink():
+        last.symlink_to(saved.name)
+    return saved, last
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_a_checkpoint_deleted_while_it_is_read_through_a_link_is_called_replaced(tmp_path: Path, reader: str) -> None:
+    """``save_last="link"`` with ``save_top_k=1``: ``last.ckpt`` links to the newest save, and the previous one is
+    deleted once the next is saved. A reader of ``last.ckpt`` meets the deletion at each of its steps in turn, before
+    it opens anything and at each of its file opens: every read gives the whole generation or says the checkpoint was
+    replaced while it was read (and is retried). Before: "the save that wrote it did not complete (killed or failed
+    mid-save)" or "files were lost after it was written", of a checkpoint that was complete until it was deleted."""
+    read = READERS[reader]
+    saved, last = _rotation(tmp_path)
+    steps = remove_stopped_at(saved, 0)
+    assert steps >= 3, steps  # the checkpoint's files and the directory
+    saved, last = _rotation(tmp_path)
+    with swap_at_open(last, 0, lambda: None) as seen:
+        assert read(last, lambda: generation_model(0)) == 1
+    opens = seen[0]
+    outcomes = []
+    for step in range(1, steps + 1):
+        for count in range(opens + 1):
+            saved, last = _rotation(tmp_path)
+            if count == 0:  # before the reader starts
+                remove_stopped_at(saved, step)
+                deleting: Any = nullcontext()
+            else:
+                deleting = swap_at_open(last, count, lambda step=step, saved=saved: remove_stopped_at(saved, step))
+            with deleting:
+                try:
+                    outcomes.append(read(last, lambda: generation_model(0)))
+                except ckpt.CheckpointError as err:
+                    assert isinstance(err, ckpt.CheckpointReplacedError), (step, count, err)
+                    outcomes.append(0)
+    assert set(outcomes) <= {0, 1} and 0 in outcomes, outcomes
+
+
+def test_osdp_consolidate_reads_last_ckpt_again_while_its_link_is_moved_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``last.ckpt`` links to a save just deleted, and is linked to the newer one an instant later (Lightning removes
+    the old link, then makes the new one): ``osdp consolidate last.ckpt`` reads it again and consolidates the newer
+    save. Before: exit 2, "'last.ckpt' does not exist", as if there were none."""
+    newer, last = tmp_path / "step=2.ckpt", tmp_path / "last.ckpt"
+    save_generation(newer, 2)
+    last.symlink_to("step=1.ckpt")  # deleted
+    opens = [0]
+
+    def relink(event: str, args: tuple[Any, ...]) -> None:
+        if event == "open" and isinstance(args[0], (str, bytes, Path)) and os.fsdecode(args[0]).endswith("last.ckpt"):
+            opens[0] += 1
+            if opens[0] == 2:  # the reader's second attempt: the training has linked the newer save meanwhile
+                last.unlink()
+                last.symlink_to(newer.name)
+
+    HOOKS.append(relink)
+    try:
+        code = osdp(["consolidate", str(last), str(tmp_path / "out.ckpt")])
+    finally:
+        HOOKS.remove(relink)
+    assert code == 0, capsys.readouterr().err
+    assert torch.load(tmp_path / "out.ckpt", weights_only=True)["global_step"] == 2
+    # A link that stays dangling is named as such, after the same attempts.
+    last.unlink()
+    last.symlink_to("step=1.ckpt")
+    assert osdp(["consolidate", str(last), str(tmp_path / "out2.ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "is a link to 'step=1.ckpt', which does not exist" in err, err
 
 
 def test_a_reader_racing_a_writer_never_gets_a_mixed_state(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from lightning_osdp.checkpoint import layout
 from lightning_osdp.checkpoint.errors import CheckpointError
-from lightning_osdp.checkpoint.files import CheckpointDirectory, read_retrying
+from lightning_osdp.checkpoint.files import CheckpointDirectory, dangling_link_error, read_retrying
 from lightning_osdp.checkpoint.keys import optimizer_state_to_native
 from lightning_osdp.checkpoint.sharded import MODEL_KEY, read_sharded_tensors
 from lightning_osdp.checkpoint.unpickle import load_torch_file
@@ -39,7 +39,8 @@ def consolidate(
     Args:
         src: a sharded checkpoint directory (refused if its save did not complete, or a file changed since).
         out: the file to write: a path where nothing is, or a checkpoint to replace (anything else is refused), but
-            never ``src`` itself or a path inside it, however spelled (a link, ``./``, a trailing ``/``).
+            never ``src`` itself or a path inside it, however spelled (a link, ``./``, a trailing ``/``, a bind mount:
+            compared by device and inode).
         optimizer: keep the optimizer states (``False``: a weights-only file, smaller, enough for inference and
             ``load_from_checkpoint``).
         weights_only: create only plain data and tensors from the checkpoint's pickles; ``False`` trusts it (needed
@@ -53,7 +54,8 @@ def consolidate(
             message names it; a partial file is removed).
     """
     src, out = Path(src), Path(out)
-    if not src.is_dir():
+    # A link to nothing (`last.ckpt` between two saves of a running training) is read again below, not refused here.
+    if not src.is_dir() and dangling_link_error(src) is None:
         raise CheckpointError(
             f"{str(src)!r} is not a sharded checkpoint directory"
             + (" (it is a file: already consolidated)" if src.is_file() else "")
@@ -75,16 +77,36 @@ def consolidate(
 
 def _check_not_onto_source(src: Path, out: Path) -> None:
     """Refuse an ``out`` that is the checkpoint being consolidated, or inside it: the commit would replace the sharded
-    checkpoint (its optimizer state with it) by the file, or write into the directory being read."""
+    checkpoint (its optimizer state with it) by the file, or write into the directory being read.
+
+    Paths are compared resolved (links, ``..``, ``./``), and what exists of them as files: ``out`` or a directory
+    above it with ``src``'s device and inode is ``src`` under another name, which no path resolution can see (a bind
+    mount of a parent directory, a second mount of the file system)."""
     source, target = src.resolve(), out.resolve()
-    if target == source or source in target.parents:
-        where = "is" if target == source else "is inside"
-        raise CheckpointError(
-            f"refusing to consolidate {str(src)!r} into {str(out)!r}: that path {where} the checkpoint being "
-            "consolidated, and writing it would replace the sharded checkpoint (and its optimizer state) with the "
-            "file. Give another output path, such as "
-            f"{str(src.with_name(src.name.removesuffix('.ckpt') + '-full.ckpt'))!r}"
-        )
+    identity = _file_id(source)
+    where = None
+    if target == source or (identity is not None and _file_id(target) == identity):
+        where = "is"
+    elif source in target.parents or (identity is not None and any(_file_id(p) == identity for p in target.parents)):
+        where = "is inside"
+    if where is None:
+        return
+    alias = "" if target == source or source in target.parents else " (the same directory under another path)"
+    raise CheckpointError(
+        f"refusing to consolidate {str(src)!r} into {str(out)!r}: that path {where} the checkpoint being "
+        f"consolidated{alias}, and writing it would replace the sharded checkpoint (and its optimizer state) with "
+        "the file. Give another output path, such as "
+        f"{str(src.with_name(src.name.removesuffix('.ckpt') + '-full.ckpt'))!r}"
+    )
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """``path``'s device and inode (after links), or ``None`` where nothing can be found there."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _read(src: Path, *, optimizer: bool, weights_only: bool) -> dict[str, Any]:

@@ -14,7 +14,10 @@ and deletes it; so every file opened through the pinned directory belongs to the
 through it, whatever is at ``path`` by then. Once that save is deleted, opening one of its files fails (the file is
 gone from the directory the reader holds): the reader then compares the directory it holds with what is at
 ``path`` now, and says the checkpoint was replaced while it was being read (:class:`CheckpointReplacedError`)
-instead of calling a missing file a lost one. A file already open stays readable after its deletion. A reader in
+instead of calling a missing file a lost one. A checkpoint deleted rather than replaced (``ModelCheckpoint``'s
+``save_top_k`` dropping ``step=5.ckpt`` while ``last.ckpt`` still links to it) leaves its path first, in one rename
+(``layout.remove_checkpoint``), so the same comparison says so, and a link met dangling is read again too
+(:func:`dangling_link_error`). A file already open stays readable after its deletion. A reader in
 one process (``osdp consolidate``, ``osdp show``, :func:`~lightning_osdp.checkpoint.read_sharded_tensors`) then
 reads it again (:func:`read_retrying`); ranks loading it together compare what they opened (see ``sharded``).
 
@@ -49,6 +52,7 @@ __all__ = [
     "MANIFEST",
     "CheckpointDirectory",
     "CheckpointReplacedError",
+    "dangling_link_error",
     "leftovers",
     "missing_checkpoint_error",
     "read_retrying",
@@ -83,7 +87,11 @@ def leftovers(path: Path) -> list[Path]:
 
 
 def missing_checkpoint_error(path: Path) -> CheckpointError:
-    """The error for a checkpoint path that does not exist, naming what interrupted saves left beside it."""
+    """The error for a checkpoint path that does not exist, naming what interrupted saves left beside it (or, for a
+    link to nothing, :func:`dangling_link_error`'s)."""
+    dangling = dangling_link_error(path)
+    if dangling is not None:
+        return dangling
     found = leftovers(path)
     if not found:
         return CheckpointError(f"checkpoint {str(path)!r} does not exist")
@@ -94,6 +102,26 @@ def missing_checkpoint_error(path: Path) -> CheckpointError:
         else f"; an interrupted save left {', '.join(repr(str(p)) for p in found)}, which is incomplete"
     )
     return CheckpointError(f"checkpoint {str(path)!r} does not exist{detail}")
+
+
+def dangling_link_error(path: Path) -> CheckpointReplacedError | None:
+    """For a ``path`` that is a symbolic link to nothing, the error that says so; ``None`` otherwise.
+
+    ``ModelCheckpoint(save_last="link")`` keeps ``last.ckpt`` a link to the newest save: with ``save_top_k`` the
+    save it names is deleted, then the link made anew, so a reader can meet it dangling for an instant. It is read
+    again (a :class:`CheckpointReplacedError`, which :func:`read_retrying` retries); a link that stays dangling is
+    named as one."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    if os.path.exists(path):
+        return None
+    return CheckpointReplacedError(
+        f"checkpoint {str(path)!r} is a link to {target!r}, which does not exist: the save it named was deleted (a "
+        "training that saves with ModelCheckpoint(save_last='link') links it to each newer save, and save_top_k "
+        "deletes the older ones). Read it again, or give the path of a checkpoint that exists"
+    )
 
 
 class CheckpointDirectory:

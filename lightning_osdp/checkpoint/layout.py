@@ -42,9 +42,10 @@ the process that made them is gone (the token names its host and pid), so that t
 time never delete each other's files.
 
 The manifest is the commit record inside the directory: it is written after all shards and metadata (and
-``fsync``ed), and deleted first when a checkpoint is removed. A directory without it, or whose files no longer have
-the sizes it lists, is an incomplete checkpoint and is refused on load with a message that says so, instead of
-DCP failing later on a missing or short file.
+``fsync``ed), and deleted first when a checkpoint is removed (once the directory was renamed out of its path, so that
+the path never names a checkpoint half deleted: :func:`remove_checkpoint`). A directory without it, or whose files no
+longer have the sizes it lists, is an incomplete checkpoint and is refused on load with a message that says so,
+instead of DCP failing later on a missing or short file.
 """
 
 from __future__ import annotations
@@ -601,9 +602,24 @@ def discard(tmp: Path, *, left_by: str = "a failed save") -> None:
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Delete a checkpoint file or directory; a directory loses its manifest first, so that a deletion interrupted
-    half-way leaves a directory that is refused as incomplete, never one that looks complete."""
-    _remove(Path(path))
+    """Delete a checkpoint file or directory.
+
+    A directory is first renamed out of its path, to ``<path>.tmp-<token>`` (one step), then deleted there, manifest
+    first: so ``path`` names the complete checkpoint until the instant it names nothing, as a commit replaces it
+    (see [Note: atomic saves]). A reader holding it open (``last.ckpt -> step=5.ckpt``, while
+    ``ModelCheckpoint(save_top_k=...)`` drops ``step=5.ckpt``) then finds it replaced and reads again, instead of
+    meeting a directory that lost its manifest or files and calling the save incomplete. A deletion interrupted
+    half-way leaves the temporary name, which a later save of the path removes once this process is gone, and which
+    no loader takes for a checkpoint."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        aside = temporary_path(path, new_token())
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return  # deleted meanwhile
+        path = aside
+    _remove(path)
 
 
 def _remove(path: Path) -> None:

@@ -21,11 +21,23 @@ row blocks. No DTensor placement describes that, and DCP saves one object per ke
 
 The on-disk format is therefore plain DCP: ``dcp_to_torch_save``, ``_EmptyStateDictLoadPlanner`` and any other
 DCP reader see the model's own keys and never the slices.
+
+[Note: buffers are saved from rank 0]
+A tensor every rank holds whole (a buffer, a DDP-replicated parameter) is written once: DCP's de-duplication gives
+it to whichever rank has the least planned so far, rank 1 as often as rank 0. For a replicated parameter that is
+right (the ranks' copies are equal), not for a buffer: each training forward updates every rank's buffers from its
+own batch (BatchNorm's running statistics), and the ranks hold the same values only after the broadcast from rank 0
+that precedes the next training forward (``apply/buffers.py``, DDP's semantics). Rank 0's are the buffers training
+goes on with, the ones a full checkpoint and Lightning's DDP save, so :class:`SliceSavePlanner` leaves the keys it is
+given as ``from_rank_zero`` out of every other rank's plan: the de-duplication then finds rank 0's alone. Forcing
+every replicated tensor to rank 0 instead (DCP's ``dedup_save_to_lowest_rank``) would put all of a mixed plan's DDP
+parameters on rank 0's writer; buffers are small.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -43,6 +55,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from lightning_osdp import distributed
 from lightning_osdp._compat import dcp_chunk_list
 from lightning_osdp.apply.state_dict import SliceAlias, SliceMap
 from lightning_osdp.checkpoint.errors import CheckpointMismatchError
@@ -59,12 +72,21 @@ def _shift(offsets: torch.Size, rows: int) -> torch.Size:
     return torch.Size([offsets[0] + rows, *offsets[1:]])
 
 
-class SliceSavePlanner(DefaultSavePlanner):
-    """:class:`DefaultSavePlanner` that writes split slices under the unsplit keys (see the module's Note)."""
+def _whole(item: WriteItem) -> bool:
+    """Whether ``item`` writes a tensor whole (this rank holds all of it), so that rank 0's item writes it all too."""
+    data = item.tensor_data
+    return data is not None and tuple(data.chunk.sizes) == tuple(data.size) and not any(data.chunk.offsets)
 
-    def __init__(self, slices: SliceMap) -> None:
+
+class SliceSavePlanner(DefaultSavePlanner):
+    """:class:`DefaultSavePlanner` that writes split slices under the unsplit keys (see [Note: split operators in
+    sharded checkpoints]) and the keys ``from_rank_zero`` (DCP's flattened keys of the model's buffers) from rank 0
+    alone (see [Note: buffers are saved from rank 0])."""
+
+    def __init__(self, slices: SliceMap, *, from_rank_zero: Collection[str] = ()) -> None:
         super().__init__()
         self._slices = slices
+        self._from_rank_zero = frozenset(from_rank_zero)
         self._renamed: dict[str, tuple[str, SliceAlias]] = {}
         # (unsplit key, offset in the unsplit tensor) -> the slice item's own index, to find the data again.
         self._origin: dict[tuple[str, torch.Size | None], MetadataIndex] = {}
@@ -86,7 +108,10 @@ class SliceSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         items: list[WriteItem] = []
+        others = distributed.rank() != 0
         for item in plan.items:
+            if others and item.index.fqn in self._from_rank_zero and _whole(item):
+                continue  # rank 0's copy is the one written
             renamed = self._renamed.get(item.index.fqn)
             if renamed is None:
                 items.append(item)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from lightning_osdp import distributed
 from lightning_osdp._compat import dcp_load_into_empty
@@ -49,6 +50,7 @@ from lightning_osdp.checkpoint.unpickle import IndexedReader, load_torch_file, r
 __all__ = [
     "MODEL_KEY",
     "ShardedState",
+    "buffer_keys",
     "load_sharded_model_state",
     "load_sharded_optimizer_state",
     "open_sharded_checkpoint",
@@ -113,6 +115,23 @@ def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer)
     return dict(get_optimizer_state_dict(module, optimizer))
 
 
+def buffer_keys(module: nn.Module, state: Mapping[str, Any]) -> list[str]:
+    """The keys of ``state`` (the model state of :func:`sharded_model_state`) that hold ``module``'s buffers whole.
+
+    Told apart by storage, not by name: ``get_model_state_dict`` names entries without the prefixes that wrappers
+    (``torch.compile``'s ``_orig_mod``) add to ``named_buffers()``, and its buffer entries are detached views of the
+    live buffers. A sharded tensor (a DTensor) is never one: each rank writes its own part of it."""
+    storages = {b.untyped_storage().data_ptr() for b in module.buffers() if b.numel() > 0}
+    return [
+        key
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and value.numel() > 0
+        and value.untyped_storage().data_ptr() in storages
+    ]
+
+
 def save_sharded_checkpoint(
     checkpoint: Mapping[str, Any],
     path: str | Path,
@@ -141,8 +160,11 @@ def save_sharded_checkpoint(
     # writes any more: rank 0 then judges it and removes the partial save while the others wait, so that every rank
     # raises the same error with nothing left on disk.
     writer = checksumming_writer(tmp)
+    # Buffers are written from rank 0: the values training goes on with (see planners' [Note: buffers are saved from
+    # rank 0]).
+    from_rank_zero = [f"{MODEL_KEY}.{key}" for key in buffer_keys(module, tensors[MODEL_KEY])]
     try:
-        dcp.save(tensors, storage_writer=writer, planner=SliceSavePlanner(slices))
+        dcp.save(tensors, storage_writer=writer, planner=SliceSavePlanner(slices, from_rank_zero=from_rank_zero))
     except CheckpointException as err:
         failure = err
 

@@ -23,7 +23,8 @@ __all__ = ["main", "run"]
 def run(args: argparse.Namespace, out: Output) -> int:
     """Run ``osdp consolidate``; returns the exit status."""
     start = time.perf_counter()
-    if not Path(args.checkpoint).exists():
+    if not Path(args.checkpoint).exists() and not Path(args.checkpoint).is_symlink():
+        # A link to nothing is `last.ckpt` between two saves of a running training: consolidate reads it again.
         raise CLIError(f"checkpoint {args.checkpoint!r} does not exist")
     try:
         with out.step(f"consolidating {args.checkpoint}"):

@@ -2,9 +2,11 @@
 
 ``checkpoint_runner.py OUT world2``: under ``torchrun --nproc-per-node 2``, every two-rank case in one launch (the
 imports and the gloo group are shared), in dependency order; each case writes ``OUT/CASE.rank{R}.pt``.
-``checkpoint_runner.py OUT save-loop PATH``: one process saving a large model to PATH again and again (the
-kill-during-save test kills it). ``checkpoint_runner.py OUT save-concurrently PATH N``: N saves to PATH, while other
-processes save there too. ``checkpoint_runner.py OUT bench``: save/load timings, sharded vs full (2 ranks).
+``checkpoint_runner.py OUT batchnorm``: a BatchNorm model (buffers that every training forward changes) saved and
+resumed under an all-sharded and a mixed plan (2 ranks). ``checkpoint_runner.py OUT save-loop PATH``: one process
+saving a large model to PATH again and again (the kill-during-save test kills it). ``checkpoint_runner.py OUT
+save-concurrently PATH N``: N saves to PATH, while other processes save there too. ``checkpoint_runner.py OUT
+bench``: save/load timings, sharded vs full (2 ranks).
 The one-rank cases run inside the test process (:func:`fit` is imported from here).
 """
 
@@ -21,6 +23,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,7 +32,7 @@ from clean_exit import finish
 from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp import checkpoint as ckpt
 
-from models import TinyGPT, loaders
+from models import BatchNormCNN, ImageDataset, TinyGPT, loaders
 
 PLANS: dict[str, dict[str, Any]] = {
     # Tied embedding and head as their own sharded group, split operators in a sharded block (as runner.py).
@@ -51,6 +54,9 @@ PLANS: dict[str, dict[str, Any]] = {
         "h.2.proj": ("full_shard", 2),
     },
     "mixed": {"": "no_shard", "h.0": "full_shard", "h.1": "shard_grad_op", "h.2": "no_shard", "frozen": "full_shard"},
+    # BatchNormCNN's: every unit sharded (the root broadcasts rank 0's buffers), and DDP beside FSDP2 (DDP does).
+    "bn_sharded": {"": "full_shard", "blocks.0": "full_shard", "blocks.1": "shard_grad_op", "blocks.2": "full_shard"},
+    "bn_mixed": {"": "no_shard", "blocks.0": "full_shard", "blocks.1": "no_shard", "blocks.2": "shard_grad_op"},
 }
 #: Steps per epoch at two ranks: 64 samples, batch 4 per rank.
 EPOCH_STEPS_2 = 8
@@ -88,22 +94,33 @@ def _clone(obj: Any) -> Any:
     return obj
 
 
+def local_buffers(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    """This rank's own buffers (copies): after a training forward each rank holds the statistics of its batch."""
+    return {name: b.detach().clone() for name, b in module.named_buffers()}
+
+
 class Recorder(Callback):
-    """Snapshots after the restore (``start``), after given steps, and at the end of training."""
+    """Snapshots after the restore (``start``), after given steps, and at the end of training; and each rank's own
+    buffers at the same points."""
 
     def __init__(self, at_steps: tuple[int, ...] = ()) -> None:
         self.at_steps = at_steps
         self.states: dict[Any, Any] = {}
+        self.buffers: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def _record(self, key: Any, trainer: L.Trainer) -> None:
+        self.states[key] = snapshot(trainer)
+        self.buffers[key] = local_buffers(trainer.lightning_module)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.states["start"] = snapshot(trainer)
+        self._record("start", trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step in self.at_steps:
-            self.states[trainer.global_step] = snapshot(trainer)
+            self._record(trainer.global_step, trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.states["end"] = snapshot(trainer)
+        self._record("end", trainer)
 
 
 class _Messages(logging.Handler):
@@ -128,12 +145,19 @@ def fit(
     save_epochs: bool = False,
     record_at: tuple[int, ...] = (),
     model_kwargs: dict[str, Any] | None = None,
+    model_class: str = "TinyGPT",
 ) -> dict[str, Any]:
-    """One ``Trainer.fit`` of TinyGPT (DDP when ``plan`` is None), with ModelCheckpoint saving to ``out/name``;
-    returns (and saves as ``out/name.rank{R}.pt``) the losses, snapshots, messages and error of this rank."""
+    """One ``Trainer.fit`` of TinyGPT (or ``model_class="BatchNormCNN"``, 4 steps per epoch at two ranks) (DDP when
+    ``plan`` is None), with ModelCheckpoint saving to ``out/name``; returns (and saves as ``out/name.rank{R}.pt``) the
+    losses, snapshots, this rank's buffers, messages and error of this rank."""
     L.seed_everything(0, workers=True)
-    model = TinyGPT(**(model_kwargs or {}))
-    train, _ = loaders()
+    model: TinyGPT | BatchNormCNN
+    if model_class == "BatchNormCNN":
+        model = BatchNormCNN(**(model_kwargs or {}))
+        train = DataLoader(ImageDataset(), batch_size=8, shuffle=True)
+    else:
+        model = TinyGPT(**(model_kwargs or {}))
+        train, _ = loaders()
     recorder = Recorder(record_at)
     callbacks: list[Callback] = [recorder]
     if save_every:
@@ -170,6 +194,7 @@ def fit(
     result = {
         "losses": model.losses,
         "states": recorder.states,
+        "buffers": recorder.buffers,
         "global_step": trainer.global_step,
         "messages": messages.lines,
         "error": None if error is None else (type(error).__name__, str(error)),
@@ -220,6 +245,22 @@ def world2(out: Path) -> None:
         shard.write_bytes(bytes(data))
     dist.barrier()
     fit(out, "bad_bits", plan="tied_split", devices=2, ckpt_path=flipped)
+
+
+def batchnorm(out: Path) -> None:
+    """BatchNormCNN under an all-sharded and a mixed plan: an uninterrupted run that saves at the end of epoch 0
+    (step 4) and records each rank's buffers there, then the run resumed from that sharded checkpoint; and, under
+    the mixed plan, resumed from its consolidated file."""
+    for plan in ("bn_sharded", "bn_mixed"):
+        uninterrupted = f"BN_{plan}"
+        fit(out, uninterrupted, plan=plan, devices=2, save_epochs=True, record_at=(4,), model_class="BatchNormCNN")
+        saved = out / uninterrupted / "epoch=0.ckpt"
+        fit(out, f"BN_{plan}_resumed", plan=plan, devices=2, ckpt_path=saved, model_class="BatchNormCNN")
+    consolidated = out / "BN_bn_mixed.full.ckpt"
+    if _rank() == 0:
+        ckpt.consolidate(out / "BN_bn_mixed" / "epoch=0.ckpt", consolidated)
+    dist.barrier()
+    fit(out, "BN_bn_mixed_consolidated", plan="bn_mixed", devices=2, ckpt_path=consolidated, model_class="BatchNormCNN")
 
 
 # ---------------------------------------------------------------------------------------------- kill during save
@@ -338,6 +379,8 @@ def main() -> None:
     mode = sys.argv[2]
     if mode == "world2":
         world2(out)
+    elif mode == "batchnorm":
+        batchnorm(out)
     elif mode == "save-loop":
         save_loop(out, Path(sys.argv[3]))
     elif mode == "save-concurrently":
