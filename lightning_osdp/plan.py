@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from lightning_osdp.grouping import ROOT, covering_decision
 from lightning_osdp.solve_report import SolveReport
 
 __all__ = [
+    "MAX_PLAN_FILE_BYTES",
     "MODES",
     "PLAN_FORMAT",
     "PLAN_VERSION",
@@ -76,6 +78,11 @@ _READS_VERSIONS = (1, 2, 3)
 
 # The solver's `info` is 3 levels deep; Python's JSON encoder (with `indent`) recurses per level.
 _MAX_INFO_NESTING = 64
+
+#: The largest plan file :meth:`Plan.load` reads. A plan of 100,000 modules, saved with long names, splits and
+#: recomputation, is 12.2 MiB; a larger file is no plan (a device, a log, a dataset given by mistake), and reading it
+#: whole would cost its size in memory before the JSON could be refused.
+MAX_PLAN_FILE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -336,15 +343,9 @@ class Plan:
         """Read a plan file written by :meth:`save` (or by hand); anything that is not one raises :class:`PlanError`."""
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise PlanError(f"plan file {str(path)!r} does not exist") from None
-        except IsADirectoryError:
-            raise PlanError(f"plan file {str(path)!r} is a directory; give the path of a plan's JSON file") from None
+            text = _read_plan_file(path).decode("utf-8")
         except UnicodeDecodeError as err:
             raise PlanError(f"{path}: not a plan file (not UTF-8 text: {err.reason} at byte {err.start})") from None
-        except OSError as err:
-            raise PlanError(f"cannot read plan file {str(path)!r}: {err.strerror or err}") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
@@ -370,6 +371,60 @@ class Plan:
         if selective:
             parts.append(f"{selective} selective")
         return f"Plan({len(self.decisions)} decisions: {', '.join(parts) or 'empty'})"
+
+
+def _read_plan_file(path: Path) -> bytes:
+    """The bytes of plan file ``path``, read only when it is a regular file of at most :data:`MAX_PLAN_FILE_BYTES`.
+
+    Opened once, without blocking (a FIFO without a writer would wait for one forever), and checked on the open
+    file before anything is read: a device (``/dev/zero`` never ends), a FIFO or a socket is refused, and so is a file
+    larger than the bound. At most one byte past the bound is read, in case the file grows meanwhile."""
+    shown = str(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise PlanError(f"plan file {shown!r} does not exist") from None
+    except IsADirectoryError:
+        raise PlanError(f"plan file {shown!r} is a directory; give the path of a plan's JSON file") from None
+    except OSError as err:
+        raise PlanError(f"cannot read plan file {shown!r}: {err.strerror or err}") from None
+    limit = f"{MAX_PLAN_FILE_BYTES // 2**20} MiB"
+    too_large = (
+        f"refusing to read plan file {shown!r}: it is larger than {limit}, the most a plan file may be (a plan of "
+        "100,000 modules is about 12 MiB); give the path of a plan's JSON file, as Plan.save writes it"
+    )
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise PlanError(f"plan file {shown!r} is a directory; give the path of a plan's JSON file")
+        if not stat.S_ISREG(info.st_mode):
+            raise PlanError(
+                f"refusing to read plan file {shown!r}: it is {_file_kind(info.st_mode)}, not a regular file; give "
+                "the path of a plan's JSON file, as Plan.save writes it"
+            )
+        if info.st_size > MAX_PLAN_FILE_BYTES:
+            raise PlanError(too_large)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_PLAN_FILE_BYTES + 1)
+    except OSError as err:
+        raise PlanError(f"cannot read plan file {shown!r}: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_PLAN_FILE_BYTES:
+        raise PlanError(too_large)
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    kinds = (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def default_units(module: nn.Module) -> list[str]:

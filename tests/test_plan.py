@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from torch import nn
 
 from lightning_osdp import Decision, Plan, PlanError, default_units
-from lightning_osdp.plan import PLAN_FORMAT, PLAN_VERSION
+from lightning_osdp.plan import MAX_PLAN_FILE_BYTES, PLAN_FORMAT, PLAN_VERSION
 
+from conftest import ROOT, child_env
 from models import TinyGPT
 
 
@@ -61,6 +65,73 @@ def test_not_json_and_missing_file(tmp_path: Path) -> None:
         Plan.load(path)
     with pytest.raises(PlanError, match="does not exist"):
         Plan.load(tmp_path / "missing.json")
+
+
+# Loads each path (``strategy:PATH``: ``OSDPStrategy(plan=PATH)``) in an address space bounded to 512 MiB past what the
+# imports took: a reader that ignored a file's size or kind fails here with MemoryError instead of exhausting the
+# machine, and one that blocks on a FIFO is ended by the test's timeout.
+_LOAD_BOUNDED = """
+import json, resource, sys
+from lightning_osdp import OSDPStrategy, Plan
+with open("/proc/self/status") as f:
+    used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (used + 512 * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+for path in sys.argv[1:]:
+    try:
+        if path.startswith("strategy:"):
+            OSDPStrategy(plan=path.removeprefix("strategy:"))
+        else:
+            Plan.load(path)
+        outcome = ["loaded", ""]
+    except Exception as err:
+        outcome = [type(err).__name__, str(err)]
+    print(json.dumps([path, *outcome]), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/zero, FIFOs and /proc/self/status")
+def test_a_plan_path_that_is_no_regular_file_or_too_large_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """Before: ``/dev/zero`` was read until the kernel killed the process, a FIFO without a writer blocked forever,
+    a 400 MB file was read whole before its JSON was refused."""
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(4 * 2**30)  # sparse: 4 GiB of zeros that take no disk
+    paths = ["/dev/zero", str(fifo), str(huge), "strategy:/dev/zero", f"strategy:{huge}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_BOUNDED, *paths],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = {path: (kind, message) for path, kind, message in map(json.loads, proc.stdout.splitlines())}
+    assert set(outcomes) == set(paths), proc.stdout
+    for path, (kind, message) in outcomes.items():
+        shown = path.removeprefix("strategy:")
+        assert kind == "PlanError" and repr(shown) in message, (path, kind, message)
+        assert "give the path of a plan's JSON file" in message, message
+    assert "it is a character device, not a regular file" in outcomes["/dev/zero"][1]
+    assert "it is a FIFO (named pipe), not a regular file" in outcomes[str(fifo)][1]
+    assert "larger than 64 MiB, the most a plan file may be" in outcomes[str(huge)][1]
+
+
+def test_a_plan_file_over_the_bound_is_refused_by_its_size_and_a_large_plan_is_far_below_it(tmp_path: Path) -> None:
+    over = tmp_path / "over.json"
+    with open(over, "wb") as f:
+        f.truncate(MAX_PLAN_FILE_BYTES + 1)
+    with pytest.raises(PlanError, match=rf"refusing to read plan file '{over}': it is larger than 64 MiB"):
+        Plan.load(over)
+    # 100,000 modules with long names, splits and recomputation: what a plan file can hold is well inside the bound.
+    decisions = {
+        f"model.layers.{i // 10}.mlp.{i % 10}.proj": Decision("full_shard", 4, "selective") for i in range(10**5)
+    }
+    large = Plan({"": "no_shard", **decisions}).save(tmp_path / "large.json")
+    assert large.stat().st_size < MAX_PLAN_FILE_BYTES / 4
+    assert len(Plan.load(large).decisions) == 10**5 + 1
 
 
 def test_validate_against_the_model() -> None:
