@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Iterator
@@ -708,3 +709,44 @@ def test_a_forward_that_indexes_its_blocks_by_count_is_traced_whole() -> None:
     rates = DeviceRates("cuda", "float32", 1e-5, 1e12, 1e-5, 1e11)
     result = profile(Counted(), torch.randn(2, 8), mode="estimated", rates=rates, copy_bytes_per_second=1e10)
     assert "depth" not in result.info and len([n for n in result.modules if n.startswith("blocks.")]) == 5
+
+
+class HookedAdapters(nn.Module):
+    """Frozen blocks with trainable adapters attached by forward hooks, as adapter libraries attach them: through a
+    default argument, a closure and a ``functools.partial``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.blocks.requires_grad_(False)
+        self.adapters = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        first, second, third = self.adapters
+        self.blocks[0].register_forward_hook(lambda _m, _i, out, adapter=first: out + adapter(out))
+
+        def closure(_m: nn.Module, _i: Any, out: Tensor) -> Tensor:
+            return out + second(out)
+
+        self.blocks[1].register_forward_hook(closure)
+        self.blocks[2].register_forward_hook(functools.partial(_adapt, third))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _adapt(adapter: nn.Module, _m: nn.Module, _i: Any, out: Tensor) -> Tensor:
+    return out + adapter(out)
+
+
+@pytest.mark.parametrize("mode", ["measured", "estimated"])
+def test_hooks_that_capture_parts_of_the_model_run_the_copys_parts(mode: str) -> None:
+    model = HookedAdapters()
+    result = profile(model, torch.randn(8, 16), optimizer=torch.optim.Adam, mode=mode)
+    # The user's adapters never ran: no gradient left in the model.
+    assert all(p.grad is None for p in model.parameters())
+    for i in range(3):
+        adapter = result.modules[f"adapters.{i}"]
+        assert adapter.grad_bytes == 16 * 17 * 4, i
+        assert adapter.optim_state_bytes == 2 * 16 * 17 * 4, i
+        assert adapter.fwd_flops > 0, i

@@ -18,6 +18,8 @@ Python side effects of the step are not undone.
 from __future__ import annotations
 
 import copy
+import functools
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,7 +47,75 @@ def _copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     for attr in _SHARED:
         if attr in vars(module):
             vars(replica)[attr] = vars(module)[attr]
+    _rebind_hooks(replica, memo)
     return replica
+
+
+def _rebind_hooks(replica: nn.Module, memo: dict[int, Any]) -> None:
+    """Point the copy's hooks at the copy.
+
+    [Note: hooks that reference the model]
+    ``deepcopy`` copies a module's hook dictionaries but not the functions in them (functions are copied by
+    reference), so a hook that captured a part of the model still reaches the *user's* part from the copy:
+    ``block.register_forward_hook(lambda m, i, out, adapter=adapter: out + adapter(out))``, a bound method of another
+    module, a ``functools.partial``. The copy's step would then run the user's adapter, on the user's parameters: its
+    gradients land in the user's model, and the profile sees neither its parameters' gradients nor its optimizer
+    state nor its activations (a frozen backbone with adapters attached by hooks was under-predicted by its adapters'
+    Adam state). So each hook whose default arguments, closure cells, bound ``self`` or partial arguments hold an
+    object the deepcopy copied (``memo``) is rebuilt around the copies; a hook that reaches the model through a
+    global name cannot be rebound, and is left as it is."""
+    for mod in replica.modules():
+        for name, hooks in vars(mod).items():
+            if not (name.startswith("_") and "hooks" in name and isinstance(hooks, dict)):
+                continue
+            for key, hook in list(hooks.items()):
+                if callable(hook):
+                    hooks[key] = _rebound(hook, memo)
+
+
+def _rebound(fn: Any, memo: dict[int, Any]) -> Any:
+    """``fn`` with every object it captured that ``memo`` copied replaced by its copy (``fn`` itself if none)."""
+
+    def swap(value: Any) -> Any:
+        return memo.get(id(value), value)
+
+    if isinstance(fn, types.MethodType):
+        owner = swap(fn.__self__)
+        return fn if owner is fn.__self__ else types.MethodType(fn.__func__, owner)
+    if isinstance(fn, functools.partial):
+        args, keywords = tuple(swap(a) for a in fn.args), {k: swap(v) for k, v in fn.keywords.items()}
+        inner = _rebound(fn.func, memo)
+        same = inner is fn.func and all(a is b for a, b in zip(args, fn.args, strict=True))
+        if same and all(keywords[k] is v for k, v in fn.keywords.items()):
+            return fn
+        return functools.partial(inner, *args, **keywords)
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    defaults = tuple(swap(d) for d in fn.__defaults__) if fn.__defaults__ else fn.__defaults__
+    kwdefaults = {k: swap(v) for k, v in fn.__kwdefaults__.items()} if fn.__kwdefaults__ else fn.__kwdefaults__
+    cells = fn.__closure__ or ()
+    closure = tuple(_rebound_cell(cell, swap) for cell in cells)
+    changed = (
+        any(a is not b for a, b in zip(defaults or (), fn.__defaults__ or (), strict=True))
+        or any(kwdefaults[k] is not v for k, v in (fn.__kwdefaults__ or {}).items())  # type: ignore[index]
+        or any(a is not b for a, b in zip(closure, cells, strict=True))
+    )
+    if not changed:
+        return fn
+    rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults, closure or None)
+    rebuilt.__kwdefaults__ = kwdefaults
+    rebuilt.__dict__.update(fn.__dict__)
+    return functools.update_wrapper(rebuilt, fn, assigned=("__module__", "__qualname__", "__doc__"), updated=())
+
+
+def _rebound_cell(cell: types.CellType, swap: Callable[[Any], Any]) -> types.CellType:
+    """``cell`` itself, or a new cell holding the copy of what it holds (an empty cell stays as it is)."""
+    try:
+        value = cell.cell_contents
+    except ValueError:
+        return cell
+    new = swap(value)
+    return cell if new is value else types.CellType(new)
 
 
 def swap_tensors(module: nn.Module, make: Callable[[Tensor], Tensor]) -> dict[tuple[int, str, str], Tensor]:
