@@ -78,6 +78,8 @@ class OSDPMonitor(Callback):
         #: What the run this one resumed measured: its plan's dict and its steps (empty when not resumed).
         self.history: list[dict[str, Any]] = []
         self._step_started_at: int | None = None  # the trainer's global step when the running step began
+        self._prediction: Prediction | None = None
+        self._corrected_by = 0  # the correction this run recorded (bytes), see `check_prediction`
 
     # ------------------------------------------------------------------ figures
     @property
@@ -91,12 +93,15 @@ class OSDPMonitor(Callback):
         return self.steps.step_time()
 
     def prediction(self) -> Prediction | None:
-        """The plan's prediction from its profile (``None`` without one)."""
+        """The plan's prediction, from the profile it was solved with (``None`` without one): a correction recorded
+        later (see :meth:`check_prediction`) is the next plan's, and never rewrites what this one predicted."""
         if self.profile is None:
             return None
-        from lightning_osdp.cost_model import predict
+        if self._prediction is None:
+            from lightning_osdp.cost_model import predict
 
-        return predict(self.profile, self.plan, self.topology)
+            self._prediction = predict(self.profile, self.plan, self.topology)
+        return self._prediction
 
     def summary(self, trainer: pl.Trainer | None, rank: int) -> str:
         """One line for the end of a run: the step reached and the last logged metrics, the plan in force, and this
@@ -115,10 +120,17 @@ class OSDPMonitor(Callback):
         predicted = self.prediction()
         measured = []
         if self.step_time is not None:
-            guess = f" (predicted {predicted.step_seconds * 1e3:.1f} ms)" if predicted else ""
-            measured.append(f"step {self.step_time * 1e3:.1f} ms{guess}")
+            # One figure, said what it is: the median of the steps after the first (the prediction check's is of
+            # the first few alone).
+            steps = len(self.steps.measurements)
+            over = f"median of {steps - 1} steps after the first" if steps > 1 else "the only step"
+            guess = f"; predicted {predicted.step_seconds * 1e3:.1f} ms" if predicted else ""
+            measured.append(f"step {self.step_time * 1e3:.1f} ms ({over}{guess})")
         if self.peak_memory_bytes is not None:
-            guess = f" (predicted {format_bytes(predicted.peak_bytes)})" if predicted else ""
+            notes = [f"predicted {format_bytes(predicted.peak_bytes)}"] if predicted else []
+            if self._corrected_by:
+                notes.append(f"the next plan adds {format_bytes(self._corrected_by)}")
+            guess = f" ({'; '.join(notes)})" if notes else ""
             measured.append(f"peak memory {format_bytes(self.peak_memory_bytes)}{guess}")
         if measured:
             parts.append(f"rank {rank} measured: " + ", ".join(measured))
@@ -194,10 +206,11 @@ class OSDPMonitor(Callback):
                 },
                 step=trainer.global_step,
             )
+        steps = f"steps 2-{CHECK_AFTER_STEPS} (median time)"
         if check.ok:
-            rank_zero_info(f"OSDP: prediction held on rank 0: {check.message}")
+            rank_zero_info(f"OSDP: prediction held on rank 0 over {steps}: {check.message}")
         else:
-            rank_zero_warn(f"OSDP: the cost model missed on rank 0: {check.message}")
+            rank_zero_warn(f"OSDP: the cost model missed on rank 0 over {steps}: {check.message}")
 
     def check_prediction(self) -> PredictionCheck | None:
         """The predicted peak memory and step time against the measured ones (``None`` without a profile to predict
@@ -216,6 +229,7 @@ class OSDPMonitor(Callback):
         assert self.profile is not None and self.memory_budget is not None
         predicted = prediction.peak_bytes
         self.profile = self.profile.with_correction(prediction.missed_bytes(measured))
+        self._corrected_by = prediction.missed_bytes(measured)
         where = ["the checkpoints this run saves from now on"]
         if self.profile_file is not None:
             self.profile.save(self.profile_file)

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_osdp.budget import format_bytes
+
 from conftest import ROOT, torchrun
 from models import step_over_budget
 
@@ -47,6 +49,9 @@ def test_a_large_head_stays_under_tight_budgets_and_a_run_over_budget_corrects_t
     (warning,) = [w for w in over["warnings"] if step_over_budget(w)]
     assert f"({over['peak']} bytes)" in warning and f"({over['budget']} bytes)" in warning
     assert over["correction"] == over["peak"] - (over["predicted"] - over["correction"]) > 0
+    # The run's closing line keeps the plan's prediction, and says what the next plan adds.
+    planned, added = format_bytes(over["predicted"] - over["correction"]), format_bytes(over["correction"])
+    assert f"(predicted {planned}; the next plan adds {added})" in over["summary"], over["summary"]
     # The run resuming from it at the same budget plans again with the correction, and stays under the budget.
     again = results["again"]
     assert again["plan"]["decisions"] != over["plan"]["decisions"]

@@ -89,6 +89,7 @@ def fit(strategy: OSDPStrategy, callbacks: list[Callback], steps: int = 5, **kwa
         "peak": strategy.peak_memory_bytes,
         "peak_max": int(peak),
         "warnings": [str(w.message) for w in caught],
+        "summary": strategy.summary(),
         "trainer": trainer,
     }
 
