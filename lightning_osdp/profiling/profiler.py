@@ -395,14 +395,21 @@ def _estimated_timing(session: _Session, record: StepRecord, rates: DeviceRates,
     return _Timing(modules, overhead, optimizer)
 
 
-def _collective_sizes(param_bytes: int) -> list[int]:
-    # Collectives of a plan never exceed the model's parameter bytes: measure up to the first size covering them.
+def _collective_sizes(param_bytes: int, free: int | None = None) -> list[int]:
+    """The buffer sizes the collective benchmark measures: up to the first covering the model's parameter bytes (a
+    plan's collectives never exceed them), and, where the budget leaves ``free`` bytes beside the model, only sizes
+    whose buffers stay within half of that room (a size's full and sharded buffers, with the previous size's still
+    alive when they are allocated: 2.5 times the size at most); two sizes at least, smaller ones if need be."""
     sizes = []
     for size in DEFAULT_SIZES:
         sizes.append(size)
         if size >= param_bytes and len(sizes) >= 2:
             break
-    return sizes
+    if free is None:
+        return sizes
+    cap = free // 5
+    kept = [size for size in sizes if size <= cap]
+    return kept if len(kept) >= 2 else [max(cap // 4, 256), max(cap, 1024)]
 
 
 def _collectives(
@@ -411,13 +418,15 @@ def _collectives(
     node_groups: NodeGroups | None,
     param_bytes: int,
     budget: float,
+    free: int | None,
 ) -> tuple[dict[str, CollectiveFit], dict[str, CollectiveFit]]:
-    """The fits within a node (the world's, on one node) and across nodes."""
+    """The fits within a node (the world's, on one node) and across nodes, measured on buffers that fit in ``free``
+    (see ``_collective_sizes``)."""
     if collectives is not None:
         return dict(collectives), {}
     if not (dist.is_available() and dist.is_initialized()):
         return zero_cost_collectives(1), {}
-    sizes = _collective_sizes(param_bytes)
+    sizes = _collective_sizes(param_bytes, free)
     if node_groups is not None and node_groups.nodes > 1:
         return benchmark_levels(node_groups, sizes=sizes, time_budget_seconds=budget)
     return benchmark_collectives(group, sizes=sizes, time_budget_seconds=budget), {}
@@ -678,6 +687,7 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
         copy_bytes_per_second=copy_rate,
         loss=session.loss_memory,
     )
+    info["step_peak_bytes"] = session.peak_bytes  # the copy's steady-state step, the model's copy included
     return _Traced(result, record, session, session.peak_bytes, selective)
 
 
@@ -822,7 +832,7 @@ def profile(
     """
     start = time.perf_counter()
 
-    def local() -> tuple[dict[str, Any], int]:
+    def local() -> tuple[dict[str, Any], int, int | None]:
         request = _request(
             module,
             optimizer,
@@ -838,17 +848,18 @@ def profile(
             rates=rates,
             batch_source=batch_source,
         )
-        return _profile_locally(request).to_dict(), request.param_bytes
+        return _profile_locally(request).to_dict(), request.param_bytes, _free_memory(request)
 
     # Every rank checks the arguments and profiles its own replica; an error on one is raised on all, before any rank
     # enters the benchmark's collectives (where the others would wait for it); then every rank takes rank 0's figures.
     what = f"profiling {type(module).__name__}"
-    document, param_bytes = from_rank_zero(local, what=what, everywhere=True, group=group)
+    # Rank 0's room sizes every rank's benchmark buffers: the ranks must call the same collectives.
+    document, param_bytes, free = from_rank_zero(local, what=what, everywhere=True, group=group)
     result = ModelProfile.from_dict(document, source="rank 0")
 
     def benchmark() -> tuple[dict[str, CollectiveFit], dict[str, CollectiveFit], float, float]:
         started = time.perf_counter()
-        fits, across = _collectives(collectives, group, node_groups, param_bytes, collective_time_budget)
+        fits, across = _collectives(collectives, group, node_groups, param_bytes, collective_time_budget, free)
         return fits, across, time.perf_counter() - started, time.perf_counter() - start
 
     # Collectives inside: every rank joins; rank 0's fits and timings are kept.
