@@ -9,6 +9,7 @@ runs, the profile itself (a collective), and the printout and files of a plan so
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -303,7 +304,11 @@ class RunPlanner:
         least = self.holds_parameters(module)
         if least is not None:
             self._refuse(least, lambda: run(mode="estimated"))
-        return run()
+        profiled = run()
+        # An accumulating step holds every unit's unsharded gradients between its micro-batches (the cost model's
+        # [Note: gradient accumulation]); a manual step accumulates as it likes, which the profile cannot know.
+        accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if module.automatic_optimization else 1
+        return dataclasses.replace(profiled, gradient_accumulation=accumulation)
 
     def _save(self, trainer: pl.Trainer, plan: Plan, profile: ModelProfile) -> None:
         """Rank 0 prints the plan solved here and saves it, with its profile beside it."""

@@ -61,7 +61,7 @@ def test_a_version_1_profile_loads_with_its_figures_typed_and_predicts_the_same(
     # is one node, with no across-node fits.
     path = profile.save(tmp_path / "profile.json")
     data = json.loads(path.read_text())
-    assert data["version"] == PROFILE_VERSION == 4 and data["forward_order"] == profile.forward_order
+    assert data["version"] == PROFILE_VERSION == 5 and data["forward_order"] == profile.forward_order
     assert data["nodes"] == 1 and data["inter_node_collectives"] == {}
     assert data["rates"] == raw["info"]["rates"] and not moved & set(data["info"])
     assert data["loss"] is None and data["measured_peak_correction"] == 0

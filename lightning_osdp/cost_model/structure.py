@@ -250,10 +250,13 @@ class OutsideModules:
     Attributes:
         loss: the measured memory of the loss region (``None``: a profile from before it was measured).
         correction: bytes a run measured above its plan's prediction (``ModelProfile.measured_peak_correction``).
+        held_gradients: the unsharded gradients every unit holds between the micro-batches of an accumulating step
+            (``timeline.py`` [Note: gradient accumulation]); 0 without accumulation.
     """
 
     loss: LossMemory | None = None
     correction: int = 0
+    held_gradients: int = 0
 
 
 @dataclass
@@ -415,7 +418,9 @@ def global_unit(info: ModelInfo, name: str, holders: Sequence[str], covered: Seq
     compute = sum(info.modules[n].fwd_seconds + info.modules[n].bwd_seconds for n in covered)
     unit = _make_unit(info, tuple(holders), name, mode, params, _optim_bytes(info, covered), compute, deferred=True)
     if name == ROOT:
-        unit.outside = OutsideModules(info.profile.loss, info.profile.measured_peak_correction)
+        profile = info.profile
+        held = sum(m.grad_bytes for m in profile.modules.values()) if profile.gradient_accumulation > 1 else 0
+        unit.outside = OutsideModules(profile.loss, profile.measured_peak_correction, held)
     return unit
 
 

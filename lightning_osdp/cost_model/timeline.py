@@ -78,6 +78,16 @@ The figures reach the walk on the root unit (``LocalUnit.outside``), which every
 ``global_unit``: the root's forward is the whole ``training_step`` (``apply/executor.py``), loss included. So does
 ``ModelProfile.measured_peak_correction``, held from the step's start to its end (counted as activations: what a
 run allocated beyond the model's figures), so that every instant, and so the peak wherever it falls, carries it.
+
+[Note: gradient accumulation]
+A step of ``accumulate_grad_batches = k > 1`` runs k forward-backward passes before one optimizer step, with no
+gradient reduction before the last (``OSDPStrategy.block_backward_sync``: DDP's ``no_sync``, FSDP2 without gradient
+sync): each unit keeps its *unsharded* gradients from the first micro-batch's backward to the last one's, whatever
+its mode. The walk models one micro-batch, so micro-batches 2 to k are that walk with every unit's whole gradient
+held from its start (``OutsideModules.held_gradients``, the profile's gradient bytes), on top of what it counts. The
+gradients the last micro-batch produces are then counted once more where the walk produces them, although autograd
+adds them into the held ones: an upper bound by one backward's transient gradients, not a miss (a litgpt model
+accumulating 2 micro-batches measured its peak one whole gradient above the walk without this).
 """
 
 from __future__ import annotations
@@ -675,8 +685,11 @@ class _StepWalk(Generic[V]):
     def step_start(self) -> None:
         """Persistent state at the step's start: parameters, optimizer state, DDP buckets, last step's gradients."""
         be = self.be
-        # Buffers (never sharded) are counted with the parameters; a measured correction is held all step.
-        persistent = be.const(_params(self.spec.buffer_bytes) + _acts(self.outside.correction))
+        # Buffers (never sharded) are counted with the parameters; a measured correction is held all step, and so are
+        # the gradients an accumulating step holds between its micro-batches (see [Note: gradient accumulation]).
+        persistent = be.const(
+            _params(self.spec.buffer_bytes) + _acts(self.outside.correction) + _grads(self.outside.held_gradients)
+        )
         grads = be.const(ZERO)
         for g in self.globals:
             persistent = be.add(

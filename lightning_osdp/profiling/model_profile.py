@@ -23,8 +23,8 @@ __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "LossMemory", "
 PROFILE_FORMAT = "lightning_osdp.profile"
 #: ``version`` field of a profile file this release writes; it reads this one and every earlier one (see
 #: [Note: profile versions]).
-PROFILE_VERSION = 4
-_READS_VERSIONS = (1, 2, 3, PROFILE_VERSION)
+PROFILE_VERSION = 5
+_READS_VERSIONS = (1, 2, 3, 4, PROFILE_VERSION)
 
 # [Note: profile versions]
 # Version 1 kept the figures later stages read (the forward order, the copy bandwidth, the estimated mode's rates,
@@ -42,6 +42,8 @@ _READS_VERSIONS = (1, 2, 3, PROFILE_VERSION)
 # Version 4 adds the blocks' figures under selective recomputation (``ModuleProfile.selective_kept_bytes``,
 # ``selective_forward_bytes``, ``selective_replay_seconds``). An earlier file reads with them ``None``: its plans
 # offer no selective recomputation, and predicting one made by hand says to profile again.
+# Version 5 adds ``gradient_accumulation`` (micro-batches per optimizer step). An earlier file reads with 1, as its
+# plans were made.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -218,6 +220,10 @@ class ModelProfile:
         measured_peak_correction: bytes a run measured above its plan's predicted peak when that peak went over the
             memory budget (recorded by ``OSDPStrategy`` at its first check, see ``docs/how-it-works.md``); the cost
             model holds them for the whole step, so that a plan made from this profile keeps them free.
+        gradient_accumulation: micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``, set by
+            ``OSDPStrategy``): above 1, every unit holds its unsharded gradients from the first micro-batch's
+            backward to the last one's reduction (see ``lightning_osdp/cost_model/timeline.py`` [Note: gradient
+            accumulation]).
     """
 
     modules: dict[str, ModuleProfile]
@@ -243,6 +249,7 @@ class ModelProfile:
     inter_node_collectives: dict[str, CollectiveFit] = field(default_factory=dict)
     loss: LossMemory | None = None
     measured_peak_correction: int = 0
+    gradient_accumulation: int = 1
 
     def __str__(self) -> str:
         """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""
