@@ -30,7 +30,7 @@ import io
 import pickle
 import zipfile
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, cast
@@ -74,15 +74,29 @@ def _runs_code(name: str) -> bool:
     return module.partition(".")[0] in _CODE_MODULES or (module == "builtins" and attribute in _CODE_BUILTINS)
 
 
-def _refusal(path: Path | str, what: str, names: list[str], *, allow_list: bool = True) -> UntrustedContentError:
+def _refusal(
+    path: Path | str,
+    what: str,
+    names: list[str],
+    *,
+    allow_list: bool = True,
+    advice: Callable[[str], str] | None = None,
+) -> UntrustedContentError:
     """The refusal of ``what`` of checkpoint ``path``, which holds the globals ``names``. ``allow_list``: torch's
-    ``add_safe_globals`` lets the load create them (not for DCP's index, which torch does not load)."""
+    ``add_safe_globals`` lets the load create them (not for DCP's index, which torch does not load). ``advice``: what
+    the caller's user can do, given the globals as shown (default: the ways of loading a checkpoint, below)."""
     shown = ", ".join(names)
     head = f"refusing to load {_part(what, path)}: it holds {shown}"
     if any(_runs_code(name) for name in names):
         return UntrustedContentError(
             f"{head}, which no checkpoint holds: the file was made to run code when it is loaded. Do not load it"
         )
+    reason = (
+        f"{head}, which loading with weights_only=True does not create (plain data and tensors only), and creating "
+        "it runs code from the file."
+    )
+    if advice is not None:
+        return UntrustedContentError(f"{reason} {advice(shown)}")
     trust = (
         "load it with weights_only=False: lightning_osdp.checkpoint.load_checkpoint(..., weights_only=False), "
         "consolidate(..., weights_only=False), osdp consolidate --allow-pickle"
@@ -92,10 +106,7 @@ def _refusal(path: Path | str, what: str, names: list[str], *, allow_list: bool 
             f"allow these classes with torch.serialization.add_safe_globals([{shown}]) (or the safe_globals context "
             f"manager around the load), or {trust}"
         )
-    return UntrustedContentError(
-        f"{head}, which loading with weights_only=True does not create (plain data and tensors only), and creating "
-        f"it runs code from the file. If the checkpoint comes from a source you trust, {trust}"
-    )
+    return UntrustedContentError(f"{reason} If the checkpoint comes from a source you trust, {trust}")
 
 
 def _part(what: str, path: Path | str) -> str:
@@ -117,9 +128,18 @@ def unsafe_globals(file: IO[bytes]) -> list[str]:
         file.seek(start)
 
 
-def weights_only_refusal(err: BaseException, file: IO[bytes], path: Path | str, what: str) -> CheckpointError | None:
+def weights_only_refusal(
+    err: BaseException,
+    file: IO[bytes],
+    path: Path | str,
+    what: str,
+    *,
+    advice: Callable[[str], str] | None = None,
+) -> CheckpointError | None:
     """The error to raise when ``torch.load(weights_only=True)`` of ``file`` (``what`` of checkpoint ``path``:
     ``"meta.pt"``; empty: the whole file) raised ``err``; ``None`` when ``err`` is not an unpickling error.
+    ``advice``: what the user can do about a refused global (given as shown; default: the ways of loading a
+    checkpoint, ``weights_only=False`` among them, which not every caller offers).
 
     A refusal is recognised by what the file's pickle names (:func:`unsafe_globals`), not by the words of torch's
     message: an :class:`UntrustedContentError` naming those globals. An unpickling error with no such global is a
@@ -129,7 +149,7 @@ def weights_only_refusal(err: BaseException, file: IO[bytes], path: Path | str, 
         return None
     names = unsafe_globals(file)
     if names:
-        return _refusal(path, what, names)
+        return _refusal(path, what, names, advice=advice)
     reason = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
     return CheckpointError(f"cannot read {_part(what, path)}: its pickle is damaged ({reason})")
 
