@@ -305,6 +305,14 @@ def check_pretrained_prefix(value: Any) -> str | None:
     return value
 
 
+def check_pretrained_cast(value: Any) -> bool:
+    """``True`` or ``False`` (whether pretrained weights of another dtype than their parameter's, of the same kind,
+    are cast to it: ``lightning_osdp/checkpoint/pretrained.py``, [Note: checked before profiling])."""
+    if not isinstance(value, bool):
+        raise TypeError(f"OSDPStrategy(pretrained_cast=...) takes True or False, got {value!r}")
+    return value
+
+
 def check_find_unused_parameters(value: Any) -> bool | None:
     """``None``, ``True`` or ``False``."""
     if value is not None and not isinstance(value, bool):

@@ -40,6 +40,7 @@ from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
 from lightning_osdp.apply.optimizer import prepare_optimizers
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.checkpoint.strategy import CheckpointingStrategy
+from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.planning import PlannerOptions, RunPlanner
@@ -117,6 +118,8 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         find_unused_parameters: DDP's option for the replicated units; ``None``: ``True`` under manual optimization.
         pretrained: a full checkpoint read into the shards after the plan is applied (``docs/large-models.md``).
         pretrained_prefix: the prefix of the model's names the checkpoint's keys are read under; ``None`` finds it.
+        pretrained_cast: cast pretrained weights of another dtype of the same kind (bf16 into fp32) to their
+            parameters' dtypes (``False``: a dtype other than the parameter's is an error, found before profiling).
 
     Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
     wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
@@ -150,6 +153,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         find_unused_parameters: bool | None = None,
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
+        pretrained_cast: bool = False,
         solver: str = "cbc",
         solver_gap: float = DEFAULT_GAP,
     ) -> None:
@@ -191,6 +195,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         self._find_unused_parameters = options.check_find_unused_parameters(find_unused_parameters)
         self._pretrained = options.check_pretrained(pretrained)
         self._pretrained_prefix = options.check_pretrained_prefix(pretrained_prefix)
+        self._pretrained_cast = options.check_pretrained_cast(pretrained_cast)
         self._monitor: OSDPMonitor | None = None
         self._setup_peak: int | None = None
         self._root: OSDPModule | ReplicatedModule | None = None
@@ -374,6 +379,9 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             # A model built on meta is materialized by the executor once sharded; one built for real moves whole, as
             # under Lightning's DDP (see docs/large-models.md).
             self.model_to_device()
+            resuming = fit_ckpt_path(trainer) is not None
+            if self._pretrained is not None and not resuming:
+                self._check_pretrained(module, self._pretrained, log)
             planner = self._run_planner(log)
             resolution = planner.resolve(trainer, module, self._plan, self.batch_to_device)
             self._plan, self._profile, self._profile_file = resolution.plan, resolution.profile, planner.profile_file
@@ -395,7 +403,8 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
                     self._root.uninitialized,
                     pretrained=self._pretrained,
                     prefix=self._pretrained_prefix,
-                    resuming=fit_ckpt_path(trainer) is not None,
+                    resuming=resuming,
+                    cast=self._pretrained_cast,
                 )
             budget = format_bytes(self._memory_budget)
             rank_zero_info(
@@ -412,6 +421,22 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_pretrained(self, module: pl.LightningModule, source: Path, log: SetupLog) -> None:
+        """``pretrained`` checked against the model (keys, shapes, dtypes, from headers alone) before profiling, on
+        every rank (each reads the file), any rank's error raised on every rank (lightning_osdp/checkpoint/
+        pretrained.py, [Note: checked before profiling])."""
+        log.timed(
+            f"checking {source} against the model",
+            lambda: from_rank_zero(
+                lambda: osdp_checkpoint.check_before_setup(
+                    module, source, prefix=self._pretrained_prefix, cast=self._pretrained_cast
+                ),
+                what=f"checking the pretrained weights {source}",
+                everywhere=True,
+            ),
+            lambda found: found.describe("it fits: will load"),
+        )
 
     def _run_planner(self, log: SetupLog) -> RunPlanner:
         assert self._memory_budget is not None

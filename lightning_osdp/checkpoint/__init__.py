@@ -40,7 +40,13 @@ from lightning_osdp.checkpoint.full import (
     save_full_checkpoint,
 )
 from lightning_osdp.checkpoint.layout import Manifest, is_sharded_checkpoint, read_manifest, remove_checkpoint
-from lightning_osdp.checkpoint.pretrained import PretrainedLoad, initialize_weights, load_pretrained
+from lightning_osdp.checkpoint.pretrained import (
+    PretrainedLoad,
+    check_before_setup,
+    initialize_weights,
+    load_pretrained,
+    validate_pretrained,
+)
 from lightning_osdp.checkpoint.resume import PlanChoice, SavedPlan, resume_plan, saved_plan
 from lightning_osdp.checkpoint.sharded import (
     ShardedState,
@@ -69,6 +75,7 @@ __all__ = [
     "SliceMap",
     "StateDictType",
     "UntrustedContentError",
+    "check_before_setup",
     "consolidate",
     "describe_resume",
     "full_model_state",
@@ -96,6 +103,7 @@ __all__ = [
     "saved_plan",
     "sharded_model_state",
     "sharded_optimizer_state",
+    "validate_pretrained",
 ]
 
 # NOTE: the module `consolidate` is named after the function it defines, which this package exports under the same
