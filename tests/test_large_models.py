@@ -200,7 +200,10 @@ def test_a_pretrained_dtype_other_than_the_parameters_is_refused_unless_a_cast_i
     source = nn.Sequential(nn.Linear(4, 3))
     # int64 weights into float32 parameters: copied and trained on before, refused even with a cast.
     torch.save({"0.weight": (source[0].weight * 1000).long(), "0.bias": source[0].bias}, tmp_path / "int.pt")
-    with pytest.raises(CheckpointMismatchError, match=r"other dtypes: 0\.weight: torch\.int64 in the checkpoint"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"other dtypes: 1 torch\.int64 in the checkpoint, torch\.float32 in the model: 0\.weight",
+    ):
         load_pretrained(nn.Sequential(nn.Linear(4, 3)), tmp_path / "int.pt")
     with pytest.raises(CheckpointMismatchError, match="no cast crosses kinds of values"):
         load_pretrained(nn.Sequential(nn.Linear(4, 3)), tmp_path / "int.pt", cast=True)
@@ -211,9 +214,8 @@ def test_a_pretrained_dtype_other_than_the_parameters_is_refused_unless_a_cast_i
     before = model[0].weight.detach().clone()
     with pytest.raises(CheckpointMismatchError, match=r"pretrained_cast=True") as refused:
         load_pretrained(model, tmp_path / "half")
-    assert "0.weight (in model.safetensors): torch.float16 in the checkpoint, torch.float32 in the model" in str(
-        refused.value
-    )
+    dtypes = "2 torch.float16 in the checkpoint, torch.float32 in the model: 0.bias (in model.safetensors), 0.weight"
+    assert dtypes in str(refused.value)
     assert torch.equal(model[0].weight, before)  # refused before a row was copied
     loaded = load_pretrained(model, tmp_path / "half", cast=True)
     assert loaded.loaded == 2 and loaded.cast == 2 and "2 cast to the model's dtypes" in loaded.describe()
@@ -286,7 +288,12 @@ def test_every_misfit_of_pretrained_weights_is_found_from_headers_on_a_meta_mode
     with pytest.raises(CheckpointMismatchError) as refused:
         validate_pretrained(model, tmp_path / "hf", prefix="")
     message = str(refused.value)
-    for part in ("9.bias (in model.safetensors)", "other shapes: 0.weight", "other dtypes: 1.weight", "lack 4 of"):
+    for part in (
+        "9.bias (in model.safetensors)",
+        "other shapes: 0.weight",
+        "other dtypes: 1 torch.int64 in the checkpoint, torch.float32 in the model: 1.weight",
+        "lack 4 of",
+    ):
         assert part in message, part
     assert all(p.is_meta for p in model.parameters())
 

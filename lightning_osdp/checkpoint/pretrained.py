@@ -398,8 +398,7 @@ def _fit(module: nn.Module, reader: _Reader, source: Path, *, prefix: str | None
     result = PretrainedLoad(str(source), _match_prefix(list(reader.tensors), set(targets), prefix, shown))
     unknown: list[str] = []
     shapes: list[str] = []
-    dtypes: list[str] = []
-    kinds: set[bool] = set()  # whether each dtype problem changes the kind of values
+    dtypes: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}  # (checkpoint's, model's) -> keys
     reads: list[tuple[str, list[tuple[str, Tensor]]]] = []
     filled: set[int] = set()
     for key, stored in reader.tensors.items():
@@ -417,8 +416,7 @@ def _fit(module: nn.Module, reader: _Reader, source: Path, *, prefix: str | None
         if stored.dtype != wanted:
             across = _dtype_kind(stored.dtype) != _dtype_kind(wanted)
             if across or not cast:
-                dtypes.append(f"{label}: {stored.dtype} in the checkpoint, {wanted} in the model")
-                kinds.add(across)
+                dtypes.setdefault((stored.dtype, wanted), []).append(label)
                 continue
             result.cast += 1
         reads.append((key, live))
@@ -434,6 +432,11 @@ def _fit(module: nn.Module, reader: _Reader, source: Path, *, prefix: str | None
     if shapes:
         problems.append(f"other shapes: {_some(shapes)}")
     if dtypes:
+        pairs = [
+            f"{len(keys)} {stored} in the checkpoint, {wanted} in the model: {_some(keys)}"
+            for (stored, wanted), keys in dtypes.items()
+        ]
+        kinds = {_dtype_kind(stored) != _dtype_kind(wanted) for stored, wanted in dtypes}
         advice = []
         if False in kinds:
             advice.append(
@@ -445,7 +448,7 @@ def _fit(module: nn.Module, reader: _Reader, source: Path, *, prefix: str | None
                 "no cast crosses kinds of values (integer, boolean, complex, floating point): these are not the "
                 "tensors the model expects"
             )
-        problems.append(f"other dtypes: {_some(dtypes)}; {'; '.join(advice)}")
+        problems.append(f"other dtypes: {'; '.join(pairs)}. {'; '.join(advice)}")
     if result.missing and strict:
         problems.append(
             f"the weights lack {len(result.missing)} of the model's keys: {_some(result.missing)}; set "
