@@ -45,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--units", type=int, nargs="+", default=[300, 2000])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    parser.add_argument("--solvers", nargs="+", default=["cbc", "highs"], choices=["cbc", "highs"])
+    parser.add_argument("--solvers", nargs="+", default=["highs"], choices=["highs"])
     parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args()
     rows = []

@@ -41,7 +41,7 @@ START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork", "forkserver"
 # user code, a lost node) before the others fail: torch's default for gloo, which Lightning passes on, is 30
 # minutes. It must still exceed the longest wait that is not a hang, where all ranks wait on one:
 # * rank 0 solving the plan while the others wait for it: the solver spends at most about 3.5 x solver_time_limit in
-#   CBC (LP relaxation, heuristics, branch and bound, and the minimum-budget solve of an infeasible budget), plus
+#   HiGHS (LP relaxation, heuristics, branch and bound, and the minimum-budget solve of an infeasible budget), plus
 #   building the problem (seconds for 2,000 planning units). `planning_wait` allows 4 x solver_time_limit + 60 s:
 #   100 s at the default 10 s limit; the default timeout grows with a larger limit;
 # * a "full" checkpoint: rank 0 writes one file while the others wait at Lightning's barrier (sharded checkpoints
@@ -193,7 +193,7 @@ def check_solver_gap(value: Any) -> float:
 
 
 def check_solver(value: Any) -> str:
-    """One of ``lightning_osdp.solver.ilp.SOLVERS`` that is installed (``"highs"`` needs ``highspy``)."""
+    """``"highs"`` (``"cbc"``, removed, maps to it with a ``FutureWarning``: ``solver.ilp.check_solver``)."""
     from lightning_osdp.solver.ilp import check_solver
 
     try:

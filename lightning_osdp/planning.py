@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_osdp import checkpoint as osdp_checkpoint
-from lightning_osdp import distributed, options
+from lightning_osdp import distributed
 from lightning_osdp._compat import fit_ckpt_path, fit_train_dataloader, tree_leaves
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.distributed import from_rank_zero
@@ -31,7 +31,7 @@ from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.collectives import NodeGroups
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.setup_log import SetupLog
-from lightning_osdp.solver.ilp import DEFAULT_GAP
+from lightning_osdp.solver.policy import PlannerOptions
 from lightning_osdp.solver.resolve import Resolution, resolve_plan
 from lightning_osdp.topology import Topology
 
@@ -39,67 +39,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["PlannerOptions", "RunPlanner", "largest_batch", "representative_batch"]
-
-
-@dataclass(frozen=True)
-class PlannerOptions:
-    """The planner's options of ``OSDPStrategy`` (each checked by :mod:`lightning_osdp.options`): what
-    :func:`~lightning_osdp.solver.plan_model` is called with, in ``setup`` and by ``osdp plan`` alike."""
-
-    modes: tuple[str, ...]
-    max_split: int
-    activation_checkpointing: bool | Literal["auto", "selective", "full"]
-    time_limit: float
-    headroom: float
-    solver: str = "cbc"
-    gap: float = DEFAULT_GAP
-
-    @classmethod
-    def checked(
-        cls,
-        *,
-        modes: Sequence[str],
-        max_split: int,
-        activation_checkpointing: Any,
-        solver_time_limit: Any,
-        memory_headroom: Any,
-        solver: Any = "cbc",
-        solver_gap: Any = DEFAULT_GAP,
-    ) -> PlannerOptions:
-        """The options, each checked (``TypeError``/``ValueError`` naming the argument)."""
-        return cls(
-            modes=options.check_modes(modes),
-            max_split=options.check_max_split(max_split),
-            activation_checkpointing=options.check_activation_checkpointing(activation_checkpointing),
-            time_limit=options.check_solver_time_limit(solver_time_limit),
-            headroom=options.check_memory_headroom(memory_headroom),
-            solver=options.check_solver(solver),
-            gap=options.check_solver_gap(solver_gap),
-        )
-
-    def plan(self, profile: ModelProfile, budget: int, topology: int | Topology) -> Plan:
-        """The fastest plan for ``profile`` that fits ``budget`` less the headroom on ``topology``."""
-        from lightning_osdp.solver import plan_model
-
-        return plan_model(
-            profile,
-            budget,
-            topology,
-            headroom=self.headroom,
-            modes=self.modes,
-            max_split=self.max_split,
-            recompute=self.activation_checkpointing,
-            time_limit=self.time_limit,
-            gap=self.gap,
-            solver=self.solver,
-        )
-
-    def fits(self, profile: ModelProfile, plan: Plan, budget: int, topology: Topology) -> bool:
-        """Whether ``plan``'s predicted peak on ``profile`` is within the budget the planner plans against."""
-        from lightning_osdp.cost_model import predict
-        from lightning_osdp.solver import planned_budget
-
-        return predict(profile, plan, topology).peak_bytes <= planned_budget(budget, self.headroom)
 
 
 #: How many batches of the train dataloader each rank looks at for the largest (see :func:`largest_batch`).

@@ -11,6 +11,7 @@ file, where older readers look for them. The report is the source of truth: on l
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,7 +115,7 @@ class SolveReport:
             plan is in hand).
         bound: what proves the status: ``"LP relaxation"``, ``"count relaxation"``, ``"branch and bound"`` or
             ``"exact check"`` (``None``: a plan file from before it was recorded).
-        gap: the relative optimality gap CBC was given.
+        gap: the relative optimality gap the solver was given.
         budget_bytes: the per-device memory budget the plan was solved for.
         world_size: ranks it was solved for.
         prediction: the cost model's figures for the plan (its peak, step time and their parts).
@@ -124,7 +125,8 @@ class SolveReport:
         options: options it chose among, over all units.
         modes, splits: the modes and split factors it was allowed.
         solve_seconds: wall time of :func:`~lightning_osdp.solve`, building the problem included.
-        cbc_seconds: the part spent in the ILP solver (CBC or HiGHS: the field keeps its name).
+        solver_seconds: the part spent in the ILP solver (HiGHS); ``cbc_seconds`` is its former name, kept as a
+            deprecated alias (and read from plan files written under it).
         memory_budget_bytes: the budget as the user gave it, when the planning policy (which plans against it less
             a headroom) made the plan; ``None`` when :func:`~lightning_osdp.solve` was called directly, whose
             ``budget_bytes`` is then the user's.
@@ -147,10 +149,16 @@ class SolveReport:
     modes: tuple[str, ...]
     splits: tuple[int, ...]
     solve_seconds: float
-    cbc_seconds: float
+    solver_seconds: float
     memory_budget_bytes: int | None = None
     memory_headroom: float | None = None
     recompute: bool | str | None = None
+
+    @property
+    def cbc_seconds(self) -> float:
+        """Deprecated: :attr:`solver_seconds` (CBC was removed; the solver is HiGHS)."""
+        warnings.warn("SolveReport.cbc_seconds is deprecated: use solver_seconds", FutureWarning, stacklevel=2)
+        return self.solver_seconds
 
     @property
     def requested_budget_bytes(self) -> int:
@@ -190,7 +198,7 @@ class SolveReport:
             "modes": list(self.modes),
             "splits": list(self.splits),
             "solve_seconds": self.solve_seconds,
-            "cbc_seconds": self.cbc_seconds,
+            "solver_seconds": self.solver_seconds,
             "memory_budget_bytes": self.memory_budget_bytes,
             "memory_headroom": self.memory_headroom,
             "recompute": self.recompute,
@@ -235,7 +243,7 @@ class SolveReport:
             modes=_read_list(data, "modes", str),
             splits=_read_list(data, "splits", int),
             solve_seconds=float(_read(data, "solve_seconds", _NUMBER)),
-            cbc_seconds=float(_read(data, "cbc_seconds", _NUMBER)),
+            solver_seconds=float(_read(data, "solver_seconds" if "solver_seconds" in data else "cbc_seconds", _NUMBER)),
             memory_budget_bytes=_optional(data, "memory_budget_bytes", int),
             memory_headroom=None if headroom is None else float(headroom),
             recompute=recompute,
@@ -260,7 +268,7 @@ class SolveReport:
             modes=list(self.modes),
             splits=list(self.splits),
             solve_seconds=self.solve_seconds,
-            cbc_seconds=self.cbc_seconds,
+            cbc_seconds=self.solver_seconds,  # plan.info's historical name
             prediction=self.prediction.to_dict(),
         )
         if self.memory_budget_bytes is not None:

@@ -110,7 +110,8 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         solver_gap: the relative optimality gap the solve stops at (of the predicted step time; ``1e-3``: a plan
             proved within 0.1% of the fastest). A larger gap plans sooner on deep models whose bound is slow to
             prove (``docs/benchmarks.md``, "Planning speed").
-        solver: the ILP's solver, ``"cbc"`` (pulp's bundled CBC) or ``"highs"`` (HiGHS in process, ``highspy``).
+        solver: the ILP's solver: ``"highs"`` (HiGHS in process, the only one; ``"cbc"``, removed, plans on HiGHS
+            with a ``FutureWarning``).
         memory_headroom: the fraction of the budget the planner keeps free, as ``osdp plan --memory`` does.
         mixed_precision: ``None``, ``"bf16"`` or a ``MixedPrecisionPolicy`` for the sharded units (with the autocast
             precision of its dtype; see [Note: mixed precision]).
@@ -154,7 +155,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         pretrained: str | os.PathLike[str] | None = None,
         pretrained_prefix: str | None = None,
         pretrained_cast: bool = False,
-        solver: str = "cbc",
+        solver: str = "highs",
         solver_gap: float = DEFAULT_GAP,
     ) -> None:
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
@@ -222,7 +223,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
     @property
     def memory_headroom(self) -> float:
         """The fraction of the budget the planner keeps free."""
-        return self._planner.headroom
+        return self._planner.memory_headroom
 
     @property
     def activation_checkpointing(self) -> bool | Literal["auto", "selective", "full"]:

@@ -63,7 +63,11 @@ from models import TinyGPT
         ({"state_dict_type": "dcp"}, ValueError, "state_dict_type=...) must be 'sharded' or 'full', got 'dcp'"),
         ({"plan": 3}, TypeError, "plan=...) takes a lightning_osdp.Plan or a plan file path"),
         ({"plan": ""}, PlanError, "plan=...): the plan file path is empty"),
-        ({"solver": "glpk"}, ValueError, "solver=...): solver must be one of 'cbc', 'highs', got 'glpk'"),
+        (
+            {"solver": "glpk"},
+            ValueError,
+            "solver=...): solver must be 'highs' (the only one; 'cbc' was removed), got 'glpk'",
+        ),
         ({"solver_gap": "0.01"}, TypeError, "solver_gap=...): gap must be a number in [0, 1)"),
         ({"solver_gap": -1e-3}, ValueError, "solver_gap=...): gap must be in [0, 1) (a relative optimality gap"),
         ({"solver_gap": 1.0}, ValueError, "solver_gap=...): gap must be in [0, 1)"),

@@ -18,7 +18,7 @@ from lightning_osdp.cli.hardware import HARDWARE, NETWORKS
 # keeps the two equal).
 DEFAULT_MEMORY_HEADROOM_TEXT = "0.02"
 # NOTE: lightning_osdp.solver.ilp.SOLVERS, written out for the same reason (the same test keeps them equal).
-SOLVERS = ("cbc", "highs")
+SOLVERS = ("highs",)
 # NOTE: lightning_osdp.solver.ilp.DEFAULT_GAP, written out for the same reason (the same test keeps them equal).
 DEFAULT_GAP = 1e-3
 
@@ -164,9 +164,20 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="recomputation the planner may choose, as OSDPStrategy(activation_checkpointing=...): auto (per unit, "
         "where it pays), selective or full on every block, none (default: the config's, else auto)",
     )
-    planner.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="seconds per ILP solve")
+    # The flags are OSDPStrategy's argument names (PlannerOptions' fields); the shorter ones they had first stay.
     planner.add_argument(
+        "--solver-time-limit",
+        "--time-limit",
+        dest="solver_time_limit",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds per ILP solve, as OSDPStrategy(solver_time_limit=...)",
+    )
+    planner.add_argument(
+        "--solver-gap",
         "--gap",
+        dest="solver_gap",
         type=float,
         default=DEFAULT_GAP,
         metavar="G",
@@ -174,13 +185,15 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     planner.add_argument(
         "--solver",
-        choices=SOLVERS,
+        choices=(*SOLVERS, "cbc"),
         default=SOLVERS[0],
-        help="the ILP's solver: cbc (pulp's bundled CBC) or highs (HiGHS in process, needs highspy), as "
-        "OSDPStrategy(solver=...) (default: %(default)s)",
+        help="the ILP's solver: highs (HiGHS in process, the only one; cbc was removed and plans on HiGHS with a "
+        "warning), as OSDPStrategy(solver=...) (default: %(default)s)",
     )
     planner.add_argument(
+        "--memory-headroom",
         "--headroom",
+        dest="memory_headroom",
         type=float,
         metavar="F",
         help="fraction of the budget the planner keeps free, as OSDPStrategy(memory_headroom=...) does "

@@ -52,7 +52,7 @@ from lightning_osdp.plan import MODES, Plan, Recomputation
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, plan_model, planned_budget, smallest_memory_budget
+from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, PlannerOptions, planned_budget
 from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
@@ -88,27 +88,21 @@ class DryRun:
     topology: Topology
     budget: int
     budget_source: str
-    headroom: float
     batch_size: int
     batch: BatchSource
     precision: str
     optimizer: Any
     optimizer_note: str
-    modes: tuple[str, ...]
-    max_split: int
-    time_limit: float
-    solver: str
-    #: the relative optimality gap of the OSDP solve (``--gap``)
-    gap: float
-    #: OSDPStrategy(activation_checkpointing=...)'s values: "auto", "selective", "full"/True, False
-    recompute: Recompute
+    #: the planner's options, as OSDPStrategy holds them (``--modes``, ``--max-split``, ``--activation-checkpointing``,
+    #: ``--solver-time-limit``, ``--memory-headroom``, ``--solver``, ``--solver-gap``)
+    planner: PlannerOptions
     #: wall seconds of the stages, for the closing note (profiling, the OSDP solve, the batch search)
     seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def planned_budget(self) -> int:
         """The budget every row is judged against: ``budget`` less the planner's headroom (as the strategy plans)."""
-        return planned_budget(self.budget, self.headroom)
+        return planned_budget(self.budget, self.planner.memory_headroom)
 
 
 @dataclass
@@ -247,11 +241,23 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     max_split = args.max_split if args.max_split is not None else (config.max_split or 8)
     if max_split < 1:
         raise CLIError(f"--max-split must be at least 1, got {max_split}")
-    headroom = args.headroom if args.headroom is not None else config.memory_headroom
+    headroom = args.memory_headroom if args.memory_headroom is not None else config.memory_headroom
     if headroom is None:
         headroom = DEFAULT_MEMORY_HEADROOM
     if not 0.0 <= headroom < 0.5:
         raise CLIError(f"--headroom must be in [0, 0.5), got {headroom}")
+    try:
+        planner = PlannerOptions.checked(
+            modes=_modes(args.modes, config),
+            max_split=max_split,
+            activation_checkpointing=_recompute(args.activation_checkpointing, config),
+            solver_time_limit=args.solver_time_limit,
+            memory_headroom=headroom,
+            solver=args.solver,
+            solver_gap=_gap(args.solver_gap),
+        )
+    except (TypeError, ValueError) as err:
+        raise CLIError(str(err)) from None
     return DryRun(
         model=model,
         model_name=type(model).__name__,
@@ -262,18 +268,12 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         topology=topology,
         budget=budget,
         budget_source=budget_source,
-        headroom=headroom,
         batch_size=batch_size,
         batch=source,
         precision=precision,
         optimizer=optimizer,
         optimizer_note=optimizer_note,
-        modes=_modes(args.modes, config),
-        max_split=max_split,
-        time_limit=args.time_limit,
-        solver=args.solver,
-        gap=_gap(args.gap),
-        recompute=_recompute(args.activation_checkpointing, config),
+        planner=planner,
     )
 
 
@@ -343,31 +343,14 @@ def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
 
 
 def _solve(run: DryRun, profile: ModelProfile) -> Plan:
-    return plan_model(
-        profile,
-        run.budget,
-        run.topology,
-        headroom=run.headroom,
-        modes=run.modes,
-        max_split=run.max_split,
-        time_limit=run.time_limit,
-        gap=run.gap,
-        solver=run.solver,
-        recompute=run.recompute,
-    )
+    return run.planner.plan(profile, run.budget, run.topology)
 
 
 def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]:
     def fits(batch_size: int) -> bool:
-        smallest = smallest_memory_budget(
+        smallest = run.planner.smallest_budget(
             scaled.at(batch_size),
             run.topology,
-            headroom=run.headroom,
-            modes=run.modes,
-            max_split=run.max_split,
-            time_limit=run.time_limit,
-            solver=run.solver,
-            recompute=run.recompute,
             settle_at=run.budget,  # only whether some plan fits: settled sooner than the minimum is proved
         )
         return smallest <= run.budget
@@ -582,7 +565,7 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
     out.print(f"on {run.figures.description}")
     out.print(
         f"budget {format_bytes(run.budget)} per device ({run.budget_source}), planned against "
-        f"{format_bytes(run.planned_budget)} ({run.headroom:.0%} headroom); precision {run.precision}"
+        f"{format_bytes(run.planned_budget)} ({run.planner.memory_headroom:.0%} headroom); precision {run.precision}"
     )
     out.print(f"batch {run.batch_size} per device: {batch}, {run.batch.description}")
     out.print("")
@@ -656,7 +639,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         _save(dry, scaled, rows[0].plan, args.out, out)
     report = rows[0].plan.report
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in dry.seconds.items())
-    if report is not None and report.cbc_seconds is not None:
-        stages += f"; of the solve, {'CBC' if dry.solver == 'cbc' else 'HiGHS'} {report.cbc_seconds:.1f} s"
+    if report is not None:
+        stages += f"; of the solve, HiGHS {report.solver_seconds:.1f} s"
     out.note(f"dry run took {time.perf_counter() - start:.1f} s ({stages})")
     return 0

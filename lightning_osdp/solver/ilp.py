@@ -24,19 +24,31 @@ come out fractional. Rounding each choice to the most memory-frugal option the L
 when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise three
 phases follow, each stopping the solve once the gap is proved ([Note: the order of the phases] says in which order
 and why): a small branch and bound over the fractional choices and a spread of others (the rest fixed) looks for
-the swaps rounding misses; a short run of the solver's branch and bound on the whole problem tries to prove the
+the swaps rounding misses; a short run of HiGHS's branch and bound on the whole problem tries to prove the
 incumbent at once; the count relaxation below tightens the bound and may place a better plan. Failing them,
-the solver's branch and bound (CBC's or HiGHS's, see [Note: the MILP solver]) runs on the whole problem with
-``gapRel`` and ``timeLimit`` (the gap taken relative to the whole predicted step time, constant included); its
-status and bound decide between a proven optimum, a solution within the gap, a time-limit solution, infeasibility
-(then the smallest feasible budget is computed and reported) and failure. On 2,000 planning units CBC's own
-feasibility pump alone takes longer than the whole LP-and-round path.
+HiGHS's branch and bound runs on the whole problem with ``gapRel`` and ``timeLimit`` (the gap taken relative to the
+whole predicted step time, constant included); what it proves decides between a proven optimum, a solution within
+the gap, a time-limit solution with the gap proved, infeasibility (then the smallest feasible budget is computed and
+reported) and failure.
 
 Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_search_neighbourhood``, ``_probe``,
 ``_tighten_by_counts``, ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces
 the one held only if it fits and is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the
-incumbent says when the plan held is within the gap (the solve then stops) and what proves it. Every CBC run of
-one solve writes its files in one directory (``cbc.py``'s [Note: CBC's files and processes]).
+incumbent says when the plan held is within the gap (the solve then stops) and what proves it.
+
+[Note: the certificate]
+The status a solve reports is made in one place, :meth:`Incumbent.result`, from two numbers: the value of the plan
+returned and the lower bound held. No phase reports a status of its own, and a bound enters only from a phase that
+proved it: the LP relaxation when HiGHS solved it to optimality (pulp reads HiGHS's time and iteration limits as
+"Optimal", and the objective of a simplex stopped on the way bounds nothing), HiGHS's dual bound, the count
+relaxation's dual bound, and ``value * (1 - gap)`` when a search with that cutoff *ran to its end* and found nothing.
+A run with a cutoff ``c`` proves ``min(its dual bound, c)``, not its dual bound: HiGHS bounds only the plans under
+the cutoff, and its dual bound can come out above the cutoff and above the incumbent itself. Taking it whole was
+the false certificate ("optimal", "within gap 0.001" for a plan 0.1-0.3% from a fitting faster one:
+``tests/test_solver.py``, ``test_every_status_holds_against_the_enumerated_optimum``). So was the last phase's
+"within gap" whenever its run handed back no usable plan (one HiGHS's tolerances let break a row of the budget),
+proved by nothing (``test_a_last_phase_without_a_proof_does_not_report_the_gap``). A search that ends without
+proving the gap says what stopped it: ``"time limit (within gap X)"``, with the gap the bound does prove.
 
 [Note: the order of the phases]
 Each middle phase proves a different kind of instance, and each costs time where it does not: the cheapest
@@ -55,46 +67,36 @@ A Transformer's blocks are identical segments: same options, same costs. The ste
 of them take each option, and the memory rows mostly through sums over them (the level at the end of the forward,
 the loss, the optimizer step), so plans that permute options among blocks tie, and the LP's fractional block (the
 "0.46 of a block stays no_shard" of a budget between two whole counts) leaves a gap of up to one block's cost that
-CBC's branch and bound cannot close through the permutations: 75 blocks ran into the 10 s limit at a 0.6% gap.
+plain branch and bound cannot close through the permutations: 75 blocks ran into the 10 s limit at a 0.6% gap.
 Each run of identical segments, less its first and last (the instants around them tell them apart), is a class
 with an integer count variable per option (``count = sum of the class's binaries``; redundant in the ILP). The
 *count relaxation* makes the class's binaries continuous and keeps the counts integer: a relaxation of the ILP, so
 its optimum is a lower bound, branched on a few dozen integers instead of thousands, and tight where the rows see
 the class only through its sums. Its solution came out whole in every instance measured, and is then a plan of the
 ILP (an optimal one when the bound is its value); otherwise, if rounding is not within the gap of the bound, the
-counts it found are placed (the ILP with the counts fixed). CBC's preprocessing and primal
-heuristics are turned off for both (``_LIGHT``): on these few integers they cost more than the search.
+counts it found are placed (the ILP with the counts fixed). HiGHS's presolve and primal heuristics are turned
+off for both (``_LIGHT``): on these few integers they cost more than the search.
 
 [Note: the MILP solver]
-Every phase runs on one solver, chosen per solve (``solver=``): CBC, bundled with pulp and run as a subprocess on
-files (``cbc.py``), or HiGHS, run in process by pulp through ``highspy``. pulp stays the modelling layer either way:
-the rows are built once, in ``_formulate``, and each phase changes bounds or categories and solves again. Two things
-differ. pulp leaves the objective's constant (the compute every plan pays) out of the model it hands either solver,
-so their relative gaps and bounds are of the communication part alone: CBC is given the gap also as an absolute
-one and its log's figures are corrected by the constant; HiGHS is given the constant as its objective offset
-(``_HiGHS``), and its gap, dual bound and cutoff (``objective_bound``) are then of the whole step time. And only CBC
-needs the machinery of a subprocess: the solve's directory, its cleanup on SIGTERM and after a kill, the log read
-back for the bound, the MIP start it is never given (``_run_cbc``'s NOTE); HiGHS returns its status and bound as
-values and leaves no file or process behind.
-
-CBC stays the default because HiGHS was not faster on the figures (``docs/benchmarks.md``, "Planning speed"): with
-the same phases on the 297- and 1,997-unit benchmarks neither solver is faster at every budget, and on both the time
-goes to the branch and bound of the count relaxation and of the last phase, not to handing the model over (pulp
-builds HiGHS's model in process in less time than it writes CBC's file). So the subprocess machinery stays, and so
-do the phases, which the same figures show each earn their keep on CBC at some budget. Both solvers reach the
-brute-force optima of ``tests/test_solver.py``.
+Every phase runs on HiGHS, in process, through pulp's ``HiGHS`` interface (the ``highspy`` package): pulp stays the
+modelling layer, the rows are built once, in ``_formulate``, and each phase changes bounds or categories and solves
+again. pulp leaves the objective's constant (the compute every plan pays) out of the model it hands the solver:
+HiGHS is given it as its objective offset (``_HiGHS``), so that its gap, dual bound and cutoff (``objective_bound``)
+are of the whole step time. Until 0.1.x CBC, pulp's bundled binary run as a subprocess on files, was the
+default; it needed a directory per solve, its cleanup on ``SIGTERM`` and after a kill, a cached MPS writer, its log
+read back for the bound and an absolute gap for the constant it did not see. With the same phases neither solver was
+faster at every budget (``docs/benchmarks.md``, "Planning speed"), so the one in process stayed. ``solver="cbc"``
+still plans, on HiGHS, with a ``FutureWarning`` (:func:`check_solver`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 import numbers
-import os
-import re
 import time
+import warnings
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -139,7 +141,6 @@ from lightning_osdp.solver.candidates import (
     planning_units,
     segment_options,
 )
-from lightning_osdp.solver.cbc import CachedMPSProblem, cbc_command, cbc_workspace
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
 from lightning_osdp.topology import Topology
 
@@ -155,8 +156,11 @@ __all__ = [
     "solve",
 ]
 
-#: The MILP solvers a solve may run its phases on (see [Note: the MILP solver]); the first is the default.
-SOLVERS = ("cbc", "highs")
+#: The MILP solver every phase runs on (see [Note: the MILP solver]): HiGHS, the only one.
+DEFAULT_SOLVER = "highs"
+
+#: The MILP solvers a solve accepts (``"cbc"`` too, deprecated: :func:`check_solver`).
+SOLVERS = (DEFAULT_SOLVER,)
 
 #: The relative optimality gap a solve stops at by default (of the predicted step time).
 DEFAULT_GAP = 1e-3
@@ -182,18 +186,23 @@ def _rebuild_infeasible(message: str, budget: int, minimum: int, consumers: list
 
 
 class SolverError(RuntimeError):
-    """CBC found no solution (for example, none within the time limit)."""
+    """The ILP's solver (HiGHS) found no plan within its limits."""
 
 
 @dataclass(frozen=True)
 class SolveResult:
-    """How the solve ended; ``bound`` names what proves the gap (see [Note: solving])."""
+    """How a solve (or one branch and bound run) ended; ``bound`` names what proves the gap (see [Note: solving]).
+
+    ``lower`` is the lower bound the run proved (``None``: none), ``complete`` whether it searched to the end (no
+    limit stopped it): only a complete run that finds nothing under a cutoff proves that no plan is under it."""
 
     status: str
     gap: float | None
     seconds: float
     objective: float
     bound: str = "branch and bound"
+    lower: float | None = None
+    complete: bool = True
 
 
 class Incumbent:
@@ -210,8 +219,8 @@ class Incumbent:
     Attributes:
         chosen: the option per choice of the best plan found (``None`` until one fits).
         value: its objective (step time in ms, or peak in MiB); ``inf`` until one fits.
-        lower: the best lower bound of the objective (``None`` until the LP relaxation gives one).
-        proof: what proves ``lower``: ``"LP relaxation"`` or ``"count relaxation"``.
+        lower: the best lower bound of the objective (``None`` until a phase proves one).
+        proof: what proves ``lower``: ``"LP relaxation"``, ``"count relaxation"`` or ``"branch and bound"``.
     """
 
     def __init__(self, be: LinearBackend, *, budget: int | None, gap: float, started: float) -> None:
@@ -257,14 +266,12 @@ class Incumbent:
         return True
 
     def take(self, chosen: dict[Hashable, Hashable] | None, result: SolveResult) -> None:
-        """What a branch and bound on the whole problem returned: its plan (:meth:`offer`) and the bound its gap
-        proves from that plan's value (its dual bound; with a cutoff, nodes at or above it hold no better plan).
-        Nothing when its values break a row of the problem (see ``_run_cbc``'s NOTE)."""
-        if chosen is None or not self.fits(self.score(chosen)[0]):
-            return
+        """What a branch and bound on the whole problem returned: its plan, offered (:meth:`offer` checks it
+        against the rows), and the dual bound it proved. The bound holds whatever the plan: HiGHS's dual bound is
+        a bound over its tolerance-feasible set, which holds every plan that fits exactly."""
         self.offer(chosen)
-        if result.gap is not None:
-            self.raise_bound(result.objective * (1 - result.gap), "branch and bound")
+        if result.lower is not None:
+            self.raise_bound(result.lower, "branch and bound")
 
     def raise_bound(self, bound: float, proof: str) -> None:
         """Take ``bound`` (proved by ``proof``) if it is tighter than the lower bound held."""
@@ -275,44 +282,44 @@ class Incumbent:
         """The relative gap between the incumbent's value and the lower bound."""
         return math.inf if self.lower is None else _relative_gap(self.value, self.lower)
 
-    def within_gap(self) -> bool:
-        """Whether a plan is held and proved within ``gap`` of the optimum, or (``settle_at`` set) whether a plan
-        at or under ``settle_at`` is held or a lower bound above it proved: then the search may stop too."""
-        if self.settle_at is not None and (
+    def settled(self) -> bool:
+        """Whether (``settle_at`` set) a plan at or under ``settle_at`` is held or a lower bound above it proved."""
+        return self.settle_at is not None and (
             self.value <= self.settle_at or (self.lower is not None and self.lower > self.settle_at * (1 + 1e-9))
-        ):
-            return True
+        )
+
+    def proved(self) -> bool:
+        """Whether a plan is held and proved within ``gap`` of the optimum by the bound held."""
         return self.chosen is not None and self.loss() <= self.gap + _ROUNDING
+
+    def within_gap(self) -> bool:
+        """Whether the search may stop: the plan held is :meth:`proved`, or the question asked is :meth:`settled`."""
+        return self.proved() or self.settled()
 
     def elapsed(self) -> float:
         """Seconds since the solve started."""
         return time.perf_counter() - self.started
 
-    def result(self) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-        """The incumbent as the solve's answer: optimal, or within the gap the bound proves."""
+    def result(self, stopped: str = "time limit") -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+        """The incumbent as the solve's answer, its status read from the plan's value and the bound held, and from
+        nothing else (see [Note: the certificate]): ``"optimal"``, ``"within gap G"`` (the gap asked for) when the
+        bound proves it, else ``stopped`` (what ended the search) with the gap the bound proves."""
         achieved = self.loss()
-        status = "optimal" if achieved <= 1e-9 + _ROUNDING else f"within gap {self.gap:g}"
-        return self.chosen, SolveResult(status, achieved, self.elapsed(), self.value, self.proof)
-
-    def timed_out(self) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-        """The incumbent as the answer of a search that ran out of time: the gap its bound proves."""
-        bound = self.loss()
-        return self.chosen, SolveResult(
-            f"time limit (within gap {bound:.2g})", bound, self.elapsed(), self.value, self.proof
-        )
+        if self.proved():
+            status = "optimal" if achieved <= 1e-9 + _ROUNDING else f"within gap {self.gap:g}"
+        else:
+            status = f"{stopped} (within gap {achieved:.2g})"
+        return self.chosen, SolveResult(status, achieved, self.elapsed(), self.value, self.proof, self.lower)
 
 
 @dataclass
 class _Formulation:
-    """The ILP in pulp (see :meth:`PlanningProblem._formulate`), the solver its phases run on, and (CBC) the
-    directory its runs write to."""
+    """The ILP in pulp (see :meth:`PlanningProblem._formulate`)."""
 
     prob: pulp.LpProblem
     xs: list[pulp.LpVariable]
     counts: dict[tuple[int, Hashable], pulp.LpVariable]
     be: LinearBackend
-    solver: str
-    workdir: str | None
 
 
 #: How far a relative gap may read above the one proved: a bound of ``value * (1 - gap)`` (what a cutoff search that
@@ -524,7 +531,7 @@ class PlanningProblem:
         """The ILP in pulp: step time under ``budget``, or (``budget=None``) the peak; with the integer count of
         each option in each class of identical segments (redundant in the ILP; the count relaxation's variables,
         see [Note: identical segments]). ``None`` when a checkpoint no option touches exceeds the budget."""
-        prob = CachedMPSProblem("osdp", pulp.LpMinimize)
+        prob = pulp.LpProblem("osdp", pulp.LpMinimize)
         xs = [pulp.LpVariable(v.name, cat=pulp.LpBinary if v.binary else pulp.LpContinuous) for v in be.variables]
 
         def affine(e: LinExpr) -> pulp.LpAffineExpression:
@@ -571,16 +578,17 @@ class PlanningProblem:
         budget: int | None,
         gap: float,
         time_limit: float,
-        solver: str = SOLVERS[0],
+        solver: str = DEFAULT_SOLVER,
         settle_at: int | None = None,
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
         """Minimise step time under ``budget`` (bytes), or (``budget=None``) minimise the peak. Returns the chosen
         option per choice (``None`` when infeasible) and how the solve ended (see [Note: solving]).
 
         The phases run in order, each handing a plan and/or a lower bound to one :class:`Incumbent`, and the
-        solve stops as soon as the incumbent is within ``gap`` of the bound; every phase runs on ``solver`` (one of
-        :data:`SOLVERS`). With ``settle_at`` (bytes; the peak minimised) the phases also stop once a plan at or
-        under it is held, or a lower bound above it proved (the question ``minimum_budget(settle_at=...)`` asks)."""
+        solve stops as soon as the incumbent is within ``gap`` of the bound; every phase runs on HiGHS (``solver``
+        is checked by :func:`check_solver`). With ``settle_at`` (bytes; the peak minimised) the phases also stop
+        once a plan at or under it is held, or a lower bound above it proved (the question
+        ``minimum_budget(settle_at=...)`` asks)."""
         check_solver(solver)
         started = time.perf_counter()
         formulated = self._formulate(be, budget)
@@ -589,37 +597,40 @@ class PlanningProblem:
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started)
         if settle_at is not None and budget is None:
             incumbent.settle_at = _rhs(settle_at)
-        # HiGHS runs in process: no files, no child process (see [Note: the MILP solver]).
-        workspace = cbc_workspace() if solver == "cbc" else contextlib.nullcontext(None)
-        with workspace as workdir:
-            f = _Formulation(*formulated, be=be, solver=solver, workdir=workdir)
-            status = self._relax(f, incumbent, time_limit)
-            if status == pulp.LpStatusInfeasible:
-                return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
-            if status == pulp.LpStatusOptimal and incumbent.lower is not None:
-                fractional = self._round_relaxation(f, incumbent)
-                # The order of the phases between rounding and the last: see [Note: the order of the phases].
-                neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional, time_limit / 4)
-                probe = functools.partial(self._probe, f, incumbent, time_limit / 10)
-                counts = functools.partial(self._tighten_by_counts, f, incumbent, time_limit / 4)
-                phases = [counts, neighbourhood] if incumbent.minimises_peak else [neighbourhood, probe, counts]
-                for phase in phases:
-                    if incumbent.within_gap():
-                        return incumbent.result()
-                    phase()
+        f = _Formulation(*formulated, be=be)
+        if self._relax(f, incumbent, time_limit) == "infeasible":
+            return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
+        if incumbent.lower is not None:
+            fractional = self._round_relaxation(f, incumbent)
+            # The order of the phases between rounding and the last: see [Note: the order of the phases].
+            neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional, time_limit / 4)
+            probe = functools.partial(self._probe, f, incumbent, time_limit / 10)
+            counts = functools.partial(self._tighten_by_counts, f, incumbent, time_limit / 4)
+            phases = [counts, neighbourhood] if incumbent.minimises_peak else [neighbourhood, probe, counts]
+            for phase in phases:
                 if incumbent.within_gap():
-                    return incumbent.result()
-            return self._branch_and_bound(f, incumbent, time_limit)
+                    return incumbent.result("settled")
+                phase()
+            if incumbent.within_gap():
+                return incumbent.result("settled")
+        return self._branch_and_bound(f, incumbent, time_limit)
 
-    def _relax(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> int:
+    def _relax(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> str:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
-        solution has very few fractional choices). Returns pulp's status."""
-        f.prob.solve(_lp_command(f.solver, f.workdir, time_limit=time_limit))
-        if f.prob.status == pulp.LpStatusInfeasible:
-            return f.prob.status
-        lower = pulp.value(f.prob.objective)
-        incumbent.lower = float(lower) if f.prob.status == pulp.LpStatusOptimal and lower is not None else lower
-        return int(f.prob.status)
+        solution has very few fractional choices). Returns ``"optimal"``, ``"infeasible"`` or ``"stopped"``.
+
+        Only an LP solved to optimality gives a bound: pulp reads HiGHS's time and iteration limits as "Optimal",
+        and the objective of a simplex stopped on the way bounds nothing (see [Note: the certificate])."""
+        import highspy
+
+        f.prob.solve(_HiGHS(msg=False, mip=False, timeLimit=time_limit))
+        status = f.prob.solverModel.getModelStatus()
+        if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+            return "infeasible"
+        if status != highspy.HighsModelStatus.kOptimal:
+            return "stopped"
+        incumbent.lower = float(f.prob.solverModel.getInfo().objective_function_value)
+        return "optimal"
 
     def _round_relaxation(self, f: _Formulation, incumbent: Incumbent) -> dict[Hashable, list[Hashable]]:
         """Phase 1, continued: the LP's solution rounded to a plan (see :meth:`_round`), offered to the incumbent.
@@ -634,7 +645,7 @@ class PlanningProblem:
             trials = [({**rounded, key: o}, o) for o in fractional[key]]
             rounded = min(trials, key=lambda t: incumbent.score(t[0])[0])[0]
             top = incumbent.score(rounded)[0]
-        if not incumbent.offer(rounded) or (incumbent.settle_at is not None and incumbent.within_gap()):
+        if not incumbent.offer(rounded) or incumbent.settled():
             return fractional
         for key in fractional:
             for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
@@ -651,19 +662,14 @@ class PlanningProblem:
         (see [Note: identical segments]); its solution is offered when whole, and its counts placed otherwise."""
         if not self.classes:
             return
-        counted = self._count_relaxation(
-            f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit, solver=f.solver, workdir=f.workdir
-        )
+        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit)
         if counted is None:
             return
         bound, found, whole = counted
         incumbent.raise_bound(bound, "count relaxation")
         incumbent.offer(whole)
         if not incumbent.within_gap():
-            placed = self._with_counts(
-                f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit, solver=f.solver, workdir=f.workdir
-            )
-            incumbent.offer(placed)
+            incumbent.offer(self._with_counts(f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit))
 
     def _search_neighbourhood(
         self,
@@ -677,22 +683,26 @@ class PlanningProblem:
         if incumbent.chosen is None or len(f.be.options) < 2 * _NEIGHBOURHOOD:
             return  # every choice would be free (see _neighbourhood): the whole problem, the last phase's
         start = incumbent.chosen
-        incumbent.offer(
-            self._neighbourhood(
-                f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit, solver=f.solver, workdir=f.workdir
-            )
-        )
+        incumbent.offer(self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit))
 
     def _probe(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> None:
         """The last phase's branch and bound for a short ``time_limit``, before the count relaxation: with the
         incumbent's cutoff, the solver's own cuts often prove the gap at its root (see [Note: the order of the
-        phases]). A plan it finds is offered; a search it completes raises the bound."""
+        phases]). A plan it finds is offered, the bound it proves raised."""
         try:
             chosen, result = self._whole_problem(f, incumbent, time_limit)
         except SolverError:
             return  # no plan better than the incumbent by the gap found in the time: the phases go on
+        self._settle_cutoff(incumbent, chosen, result)
+
+    def _settle_cutoff(
+        self, incumbent: Incumbent, chosen: dict[Hashable, Hashable] | None, result: SolveResult
+    ) -> None:
+        """Hand a whole-problem run (with the incumbent's cutoff) to the incumbent. A run that found nothing under
+        the cutoff proves the gap only when it searched to the end (``result.complete``; see [Note: the
+        certificate])."""
         if result.status == "infeasible":
-            if incumbent.chosen is not None:  # the cutoff: no plan beats the incumbent by more than the gap
+            if incumbent.chosen is not None and result.complete:
                 incumbent.raise_bound(incumbent.value * (1 - incumbent.gap), "branch and bound")
             return
         incumbent.take(chosen, result)
@@ -703,59 +713,30 @@ class PlanningProblem:
         """The solver's branch and bound on the whole problem for ``time_limit`` seconds, the gap asked for and,
         with an incumbent, its cutoff (only plans better than it by more than the gap are searched); raises
         :class:`SolverError` when it finds no plan in the time."""
-        gap, lower = incumbent.gap, incumbent.lower
-        # CBC's relative gap ignores the objective's constant (the compute time every plan pays); the gap asked
-        # for is relative to the predicted step time, so it is also given as an absolute gap.
-        absolute = gap * abs(lower) if lower is not None and not incumbent.minimises_peak else None
-        constant = f.prob.objective.constant if f.prob.objective is not None else 0.0
-        cutoff = None if incumbent.chosen is None else incumbent.value * (1 - gap) - constant
-        return _run_mip(
-            f.solver,
-            f.prob,
-            f.be,
-            f.xs,
-            gap=gap,
-            absolute_gap=absolute,
-            time_limit=time_limit,
-            cutoff=cutoff,
-            workdir=f.workdir,
-        )
+        cutoff = None if incumbent.chosen is None else incumbent.value * (1 - incumbent.gap)
+        return _run_mip(f.prob, f.be, f.xs, gap=incumbent.gap, time_limit=time_limit, cutoff=cutoff)
 
     def _branch_and_bound(
         self, f: _Formulation, incumbent: Incumbent, time_limit: float
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
         """The last phase: the solver's branch and bound on the whole problem, for what time is left. With an
-        incumbent, the solver only looks for plans better than it by more than the gap (a cutoff): "infeasible"
-        then proves the incumbent is within the gap of the optimum."""
-        gap, lower = incumbent.gap, incumbent.lower
+        incumbent, the solver only looks for plans better than it by more than the gap (a cutoff): a complete
+        search that finds none proves the incumbent within the gap. The status is the incumbent's
+        (:meth:`Incumbent.result`): what was proved, whatever the run said of its own plan."""
         left = max(time_limit - incumbent.elapsed(), 1.0)
         try:
             chosen, result = self._whole_problem(f, incumbent, left)
         except SolverError:
-            if incumbent.chosen is None or lower is None:
-                raise
-            # Branch and bound ran out of time without a better plan: the incumbent fits, and the LP (or the count
-            # relaxation) bounds how far from the optimum it can be.
-            return incumbent.timed_out()
-        if chosen is not None and not incumbent.fits(incumbent.score(chosen)[0]):
-            # CBC's values break a row of the problem (see _run_cbc's NOTE on CBC's statuses): no plan from them.
-            chosen = None
             if incumbent.chosen is None:
-                return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
-        if result.status.startswith("time limit") and chosen is not None and lower is not None:
-            # Stopped on time with a plan: the faster of it and the incumbent, with the tighter of the two bounds
-            # (the solver's dual bound, the relaxations'), so that the status says what gap is proved.
-            incumbent.take(chosen, result)
-            return incumbent.result() if incumbent.within_gap() else incumbent.timed_out()
-        if incumbent.chosen is not None:
-            if chosen is None:
-                status = "optimal" if gap <= 1e-9 else f"within gap {gap:g}"
-                return incumbent.chosen, SolveResult(status, gap, incumbent.elapsed(), incumbent.value)
-            # CBC's plan stands unless it does not fit or the incumbent is faster (on a tie, CBC's).
-            top, value = incumbent.score(chosen)
-            if not incumbent.fits(top) or incumbent.value < value:
-                chosen = incumbent.chosen
-        return chosen, dataclasses.replace(result, seconds=incumbent.elapsed())
+                raise
+            return incumbent.result("time limit")
+        if incumbent.chosen is None and result.status == "infeasible":
+            return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
+        self._settle_cutoff(incumbent, chosen, result)
+        if incumbent.chosen is None:
+            # The run's plan breaks a row (HiGHS's tolerances): no plan, and none proved to exist.
+            return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
+        return incumbent.result("time limit" if not result.complete else "unproven")
 
     def _count_relaxation(
         self,
@@ -765,38 +746,22 @@ class PlanningProblem:
         counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
         gap: float,
         time_limit: float,
-        *,
-        solver: str = SOLVERS[0],
-        workdir: str | None = None,
     ) -> tuple[float, dict[tuple[int, Hashable], int], dict[Hashable, Hashable] | None] | None:
         """The lower bound of the count relaxation (see [Note: identical segments]), its integer counts per
         (class, option), and its solution as a plan when every choice in it came out whole (then it is a plan of
-        the ILP, and an optimal one when the bound is its value); ``None`` when CBC ends without a bound."""
+        the ILP, and an optimal one when the bound is its value); ``None`` when the solver ends without a bound."""
         relaxed = [xs[be.binaries[(key, o)]] for keys in self.classes for key in keys for o in be.options[key]]
         for x in relaxed:
             x.cat = pulp.LpContinuous
         try:
-            _, result = _run_mip(
-                solver,
-                prob,
-                be,
-                xs,
-                gap=gap / 4,
-                absolute_gap=None,
-                time_limit=max(time_limit, 1.0),
-                light=True,
-                workdir=workdir,
-            )
+            _, result = _run_mip(prob, be, xs, gap=gap / 4, time_limit=max(time_limit, 1.0), light=True)
         except SolverError:
             return None
         finally:
             for x in relaxed:
                 x.cat = pulp.LpInteger  # what pulp makes of LpBinary: "Binary" itself would be continuous
-        if result.status == "infeasible" or math.isnan(result.objective):
+        if result.status == "infeasible" or result.lower is None:
             return None
-        if result.gap is None and result.status != "optimal":
-            return None
-        bound = result.objective - (result.gap or 0.0) * abs(result.objective)
         whole = all(min(v, 1.0 - v) <= 1e-6 for v in ((x.value() or 0.0) for x in relaxed))
         chosen = None
         if whole:
@@ -804,7 +769,7 @@ class PlanningProblem:
                 key: max(options, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0)
                 for key, options in be.options.items()
             }
-        return bound, {k: round(n.value() or 0.0) for k, n in counts.items()}, chosen
+        return result.lower, {k: round(n.value() or 0.0) for k, n in counts.items()}, chosen
 
     def _with_counts(
         self,
@@ -815,26 +780,13 @@ class PlanningProblem:
         values: Mapping[tuple[int, Hashable], int],
         gap: float,
         time_limit: float,
-        *,
-        solver: str = SOLVERS[0],
-        workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound with each class of identical segments held to the counts ``values``: where the count
         relaxation's segments go (its time is fixed, only the peak is left to satisfy)."""
         for k, n in counts.items():
             n.lowBound = n.upBound = values[k]
         try:
-            chosen, _ = _run_mip(
-                solver,
-                prob,
-                be,
-                xs,
-                gap=gap / 4,
-                absolute_gap=None,
-                time_limit=max(time_limit, 1.0),
-                light=True,
-                workdir=workdir,
-            )
+            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, time_limit=max(time_limit, 1.0), light=True)
         except SolverError:
             chosen = None
         finally:
@@ -851,9 +803,6 @@ class PlanningProblem:
         fractional: Mapping[Hashable, Sequence[Hashable]],
         gap: float,
         time_limit: float,
-        *,
-        solver: str = SOLVERS[0],
-        workdir: str | None = None,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound over the fractional choices, the global units and a spread of other segments (every
         other choice fixed to ``start``): finds the swaps rounding misses (one block to full_shard so that
@@ -873,9 +822,7 @@ class PlanningProblem:
                 x.lowBound = x.upBound = value
                 fixed.append(x)
         try:
-            chosen, _ = _run_mip(
-                solver, prob, be, xs, gap=gap / 4, absolute_gap=None, time_limit=max(time_limit, 1.0), workdir=workdir
-            )
+            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, time_limit=max(time_limit, 1.0))
         except SolverError:
             chosen = None
         finally:
@@ -965,8 +912,8 @@ def _check_options(modes: Sequence[str], splits: Sequence[int]) -> None:
 
 
 def _rhs(budget: int) -> float:
-    # Peaks are whole bytes: half a byte of slack admits a peak equal to the budget and nothing above it (CBC's
-    # feasibility tolerance, 1e-7 MiB, is a tenth of a byte).
+    # Peaks are whole bytes: half a byte of slack admits a peak equal to the budget and nothing above it (HiGHS's
+    # feasibility tolerance, 1e-7 MiB, is a tenth of a byte; every plan is checked against the rows exactly).
     return (budget + 0.5) / MIB
 
 
@@ -1026,26 +973,27 @@ def _prune(costs: Mapping[K, SegmentCosts], *, time: bool = True) -> list[K]:
     return kept
 
 
-#: Options for the count relaxation and the placement of its counts, per solver: their few integer variables
-#: branch quickly, and presolve and primal heuristics cost more than the search (CBC, 75 blocks: 1.2 s -> 0.4 s).
-_LIGHT: dict[str, dict[str, Any]] = {
-    "cbc": {"options": ["preprocess off", "heur off"]},
-    "highs": {"presolve": "off", "mip_heuristic_effort": 0.0},
-}
+#: HiGHS's options for the count relaxation and the placement of its counts: their few integer variables branch
+#: quickly, and presolve and primal heuristics cost more than the search.
+_LIGHT: dict[str, Any] = {"presolve": "off", "mip_heuristic_effort": 0.0}
 
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
 
-_OBJECTIVE = re.compile(r"Objective value:\s+([-+0-9.eE]+)")
-_BOUND = re.compile(r"Lower bound:\s+([-+0-9.eE]+)")
-
 
 def check_solver(solver: str) -> str:
-    """``solver`` if it names one of :data:`SOLVERS` that is installed, else a ``ValueError`` saying what to do."""
+    """The MILP solver ``solver`` names: ``"highs"``. ``"cbc"`` (the default until it was removed) still plans,
+    on HiGHS, with a ``FutureWarning`` (see [Note: the MILP solver]); anything else is a ``ValueError``."""
+    if solver == "cbc":
+        warnings.warn(
+            "solver='cbc' is deprecated and ignored: CBC was removed, every plan is solved by HiGHS in process "
+            "(solver='highs', the default); drop the argument",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return DEFAULT_SOLVER
     if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {', '.join(map(repr, SOLVERS))}, got {solver!r}")
-    if solver == "highs" and not pulp.HiGHS().available():
-        raise ValueError("solver='highs' needs the highspy package (pip install highspy), or use solver='cbc'")
+        raise ValueError(f"solver must be {DEFAULT_SOLVER!r} (the only one; 'cbc' was removed), got {solver!r}")
     return solver
 
 
@@ -1057,46 +1005,6 @@ def check_gap(gap: Any) -> float:
     if not 0 <= float(gap) < 1:
         raise ValueError(f"gap must be in [0, 1) (a relative optimality gap, e.g. 1e-3), got {gap!r}")
     return float(gap)
-
-
-def _lp_command(solver: str, workdir: str | None, *, time_limit: float) -> pulp.LpSolver:
-    """The LP relaxation's solver (integrality dropped)."""
-    if solver == "highs":
-        return _HiGHS(msg=False, mip=False, timeLimit=time_limit)
-    assert workdir is not None
-    return cbc_command(workdir, msg=False, mip=False, timeLimit=time_limit)
-
-
-def _run_mip(
-    solver: str,
-    prob: pulp.LpProblem,
-    be: LinearBackend,
-    xs: list[pulp.LpVariable],
-    *,
-    gap: float,
-    absolute_gap: float | None,
-    time_limit: float,
-    cutoff: float | None = None,
-    light: bool = False,
-    workdir: str | None = None,
-) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound on ``solver``; with ``cutoff`` (objective without its constant) only better plans are
-    searched; ``light`` turns presolve and primal heuristics off (see :data:`_LIGHT`). ``workdir`` is CBC's."""
-    if solver == "highs":
-        return _run_highs(
-            prob, be, xs, gap=gap, absolute_gap=absolute_gap, time_limit=time_limit, cutoff=cutoff, light=light
-        )
-    return _run_cbc(
-        prob,
-        be,
-        xs,
-        gap=gap,
-        absolute_gap=absolute_gap,
-        time_limit=time_limit,
-        cutoff=cutoff,
-        options=_LIGHT["cbc"]["options"] if light else (),
-        workdir=workdir,
-    )
 
 
 def _chosen(be: LinearBackend, xs: list[pulp.LpVariable]) -> dict[Hashable, Hashable]:
@@ -1117,25 +1025,26 @@ class _HiGHS(pulp.HiGHS):
             lp.solverModel.changeObjectiveOffset(float(constant))
 
 
-def _run_highs(
+def _run_mip(
     prob: pulp.LpProblem,
     be: LinearBackend,
     xs: list[pulp.LpVariable],
     *,
     gap: float,
-    absolute_gap: float | None,
     time_limit: float,
     cutoff: float | None = None,
     light: bool = False,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound in process on HiGHS (see :func:`_run_mip`); its status and bound read from HiGHS itself."""
+    """Branch and bound on HiGHS, in process; with ``cutoff`` (of the whole objective) only better plans are
+    searched; ``light`` turns presolve and primal heuristics off (see :data:`_LIGHT`). The status, the dual bound
+    and whether the search ran to its end are read from HiGHS itself (pulp reads every limit as "Optimal").
+    Raises :class:`SolverError` when no plan was found and the search did not end."""
     import highspy
 
-    options: dict[str, Any] = dict(_LIGHT["highs"]) if light else {}
-    constant = prob.objective.constant if prob.objective is not None else 0.0
+    options: dict[str, Any] = dict(_LIGHT) if light else {}
     if cutoff is not None:
-        options["objective_bound"] = float(cutoff + constant)  # HiGHS prunes every node at or above it
-    solver = _HiGHS(msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, **options)
+        options["objective_bound"] = float(cutoff)  # HiGHS prunes every node at or above it
+    solver = _HiGHS(msg=False, gapRel=gap, timeLimit=time_limit, **options)
     started = time.perf_counter()
     prob.solve(solver)
     seconds = time.perf_counter() - started
@@ -1143,81 +1052,29 @@ def _run_highs(
     model_status = highs.getModelStatus()
     info = highs.getInfo()
     statuses = highspy.HighsModelStatus
-    if model_status in (statuses.kInfeasible, statuses.kObjectiveBound, statuses.kUnboundedOrInfeasible):
-        return None, SolveResult("infeasible", None, seconds, math.nan)
+    # Only these end a search: every other status (a limit, an interrupt) stops it on the way.
+    complete = model_status in (statuses.kOptimal, statuses.kInfeasible, statuses.kUnboundedOrInfeasible)
+    if model_status in (statuses.kInfeasible, statuses.kUnboundedOrInfeasible):
+        return None, SolveResult("infeasible", None, seconds, math.nan, complete=True)
     if info.primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
         raise SolverError(
-            f"HiGHS found no plan within {time_limit:g} s (status {highs.modelStatusToString(model_status)}); "
-            "raise time_limit or restrict the options (modes, max_split)"
+            f"the ILP solver (HiGHS) found no plan within {time_limit:g} s (status "
+            f"{highs.modelStatusToString(model_status)}); raise time_limit or restrict the options (modes, max_split)"
         )
     value, lower = float(info.objective_function_value), float(info.mip_dual_bound)
     achieved = _relative_gap(value, lower)
-    if model_status == statuses.kTimeLimit:
+    if not complete:
         status = "time limit"
     elif achieved > 1e-9:
         status = f"within gap {gap:g}"
     else:
         status = "optimal"
-    return _chosen(be, xs), SolveResult(status, achieved, seconds, value)
-
-
-def _run_cbc(
-    prob: pulp.LpProblem,
-    be: LinearBackend,
-    xs: list[pulp.LpVariable],
-    *,
-    gap: float,
-    absolute_gap: float | None,
-    time_limit: float,
-    cutoff: float | None = None,
-    options: Sequence[str] = (),
-    workdir: str | None = None,
-) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound on CBC (see :func:`_run_mip`). Its files are written to ``workdir`` (a
-    :func:`~lightning_osdp.solver.cbc.cbc_workspace`; its own by default).
-
-    NOTE: CBC 2.10.3 (pulp's bundled one) mishandles MIP starts on this model: given a feasible start it can
-    report the problem "proven infeasible" while better plans exist, and pulp then reads the status as optimal and
-    returns the values of an infeasible LP. So no start is passed (the caller keeps its own plan and checks CBC's
-    against the budget and its own); a cutoff says the same thing without the start's values.
-    """
-    with cbc_workspace(workdir) as tmp:
-        log = os.path.join(tmp, "cbc.log")
-        args = [*options, *([f"cutoff {cutoff!r}"] if cutoff is not None else [])]
-        solver = cbc_command(
-            tmp, msg=False, gapRel=gap, gapAbs=absolute_gap, timeLimit=time_limit, logPath=log, options=args
-        )
-        started = time.perf_counter()
-        prob.solve(solver)
-        seconds = time.perf_counter() - started
-        text = ""
-        if os.path.exists(log):
-            with open(log) as f:
-                text = f.read()
-    proven_infeasible = "proven infeasible" in text or prob.status == pulp.LpStatusInfeasible
-    if prob.sol_status == pulp.LpSolutionInfeasible or proven_infeasible:
-        return None, SolveResult("infeasible", None, seconds, math.nan)
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise SolverError(
-            f"CBC found no plan within {time_limit:g} s (status {pulp.LpStatus[prob.status]}); "
-            "raise time_limit or restrict the options (modes, max_split)"
-        )
-    objective = _OBJECTIVE.findall(text)
-    bound = _BOUND.findall(text)
-    achieved: float | None = None
-    if objective and bound:
-        # CBC's log omits the objective's constant: add it back so that the gap is relative to the whole.
-        constant = prob.objective.constant if prob.objective is not None else 0.0
-        value, lower = float(objective[-1]) + constant, float(bound[-1]) + constant
-        achieved = _relative_gap(value, lower)
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible or "Stopped on time" in text:
-        status = "time limit"
-    elif (achieved is not None and achieved > 1e-9) or (achieved is None and "within gap tolerance" in text):
-        status = f"within gap {gap:g}"
-    else:
-        status = "optimal"
-    value = pulp.value(prob.objective)
-    return _chosen(be, xs), SolveResult(status, achieved, seconds, float(value) if value is not None else math.nan)
+    bound = lower if math.isfinite(lower) else None
+    if cutoff is not None and bound is not None:
+        # HiGHS's dual bound is of the plans under the cutoff only: those at or above it it never looked at, and
+        # its bound can exceed the cutoff (and the incumbent). Every plan is at least the smaller of the two.
+        bound = min(bound, float(cutoff))
+    return _chosen(be, xs), SolveResult(status, achieved, seconds, value, lower=bound, complete=complete)
 
 
 def _footprint(c: SegmentCosts) -> int:
@@ -1248,7 +1105,7 @@ def minimum_budget(
     gap: float = 1e-6,
     time_limit: float = 10.0,
     recompute: Recompute = "auto",
-    solver: str = SOLVERS[0],
+    solver: str = DEFAULT_SOLVER,
     settle_at: int | None = None,
 ) -> int:
     """The smallest per-device peak (bytes) any plan reaches under the given options: the ILP with the peak as
@@ -1307,7 +1164,7 @@ def solve(
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
-    solver: str = SOLVERS[0],
+    solver: str = DEFAULT_SOLVER,
 ) -> Plan:
     """The plan with the smallest predicted step time whose predicted per-device peak fits ``memory_budget``.
 
@@ -1326,8 +1183,8 @@ def solve(
         config: cost-model constants.
         recompute: whether segments may recompute their activations: ``"auto"`` (where it pays), ``True`` (every
             segment that saves activations does), ``False`` (none does).
-        solver: the MILP solver every phase runs on: ``"cbc"`` (pulp's bundled CBC, a subprocess; the default) or
-            ``"highs"`` (HiGHS in process, through the ``highspy`` package); see [Note: the MILP solver].
+        solver: the MILP solver every phase runs on: ``"highs"`` (HiGHS in process, the only one; ``"cbc"`` is
+            deprecated and plans on HiGHS with a ``FutureWarning``); see [Note: the MILP solver].
 
     Returns:
         a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds
@@ -1373,7 +1230,7 @@ def solve(
         modes=tuple(problem.modes),
         splits=tuple(problem.splits),
         solve_seconds=time.perf_counter() - started,
-        cbc_seconds=result.seconds,
+        solver_seconds=result.seconds,
         recompute=problem.recompute,
     )
     info: dict[str, Any] = {"source": "lightning_osdp.solver"}

@@ -1,6 +1,6 @@
 """Linear expressions over the solver's option binaries, and the timeline backend that produces them.
 
-The ILP works in MiB and milliseconds (byte counts near 1e9 make CBC's tolerances meaningless); values are
+The ILP works in MiB and milliseconds (byte counts near 1e9 make the solver's tolerances meaningless); values are
 converted back when the plan is reported. See ``lightning_osdp/cost_model/timeline.py`` for why the timeline is
 shared with the predictor.
 """

@@ -25,16 +25,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from lightning_osdp.budget import format_bytes, parse_memory_budget
 from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.ilp import DEFAULT_GAP, SOLVERS, InfeasibleBudgetError, minimum_budget, solve
+from lightning_osdp.solver.ilp import DEFAULT_GAP, DEFAULT_SOLVER, InfeasibleBudgetError, minimum_budget, solve
 from lightning_osdp.topology import Topology
 
-__all__ = ["DEFAULT_MEMORY_HEADROOM", "plan_model", "planned_budget", "smallest_memory_budget"]
+__all__ = ["DEFAULT_MEMORY_HEADROOM", "PlannerOptions", "plan_model", "planned_budget", "smallest_memory_budget"]
 
 #: The fraction of the memory budget the planner keeps free by default (see [Note: headroom]).
 DEFAULT_MEMORY_HEADROOM = 0.02
@@ -64,7 +65,7 @@ def plan_model(
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
-    solver: str = SOLVERS[0],
+    solver: str = DEFAULT_SOLVER,
 ) -> Plan:
     """The fastest plan whose predicted peak fits ``memory_budget`` less the planner's ``headroom``.
 
@@ -82,7 +83,7 @@ def plan_model(
         units: likewise.
         config: likewise.
         recompute: likewise.
-        solver: likewise (``"cbc"`` or ``"highs"``).
+        solver: likewise (``"highs"``; ``"cbc"`` is deprecated).
 
     Returns:
         the plan; its ``report`` also records ``memory_budget_bytes`` (the budget given) and ``memory_headroom``.
@@ -133,7 +134,7 @@ def smallest_memory_budget(
     units: Iterable[str] | None = None,
     config: CostModelConfig | None = None,
     recompute: Recompute = "auto",
-    solver: str = SOLVERS[0],
+    solver: str = DEFAULT_SOLVER,
     settle_at: int | str | None = None,
 ) -> int:
     """The smallest ``memory_budget`` (bytes) :func:`plan_model` accepts: the smallest peak any plan reaches,
@@ -164,3 +165,102 @@ def _with_headroom(planned: int, headroom: float) -> int:
     while int(needed * (1 - headroom)) < planned:
         needed += 1
     return needed
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerOptions:
+    """The planner's options, spelled once: as ``OSDPStrategy``'s arguments, which ``osdp plan``'s flags fill in too.
+
+    [Note: the planner's options, written once]
+    The strategy and ``osdp plan`` plan with the same call (:meth:`plan`, :meth:`smallest_budget`), and both hold
+    their options in one of these; the names are the strategy's, and :meth:`plan` is the one place they meet the
+    solver's own keywords (``activation_checkpointing`` is ``recompute``, ``solver_time_limit`` ``time_limit``,
+    ``solver_gap`` ``gap``, ``memory_headroom`` ``headroom``). ``time_limit``, ``headroom`` and ``gap`` remain
+    readable under their former names.
+    """
+
+    modes: tuple[str, ...] = MODES
+    max_split: int = 8
+    activation_checkpointing: Recompute = "auto"
+    solver_time_limit: float = 10.0
+    memory_headroom: float = DEFAULT_MEMORY_HEADROOM
+    solver: str = DEFAULT_SOLVER
+    solver_gap: float = DEFAULT_GAP
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        modes: Sequence[str] = MODES,
+        max_split: Any = 8,
+        activation_checkpointing: Any = "auto",
+        solver_time_limit: Any = 10.0,
+        memory_headroom: Any = DEFAULT_MEMORY_HEADROOM,
+        solver: Any = DEFAULT_SOLVER,
+        solver_gap: Any = DEFAULT_GAP,
+    ) -> PlannerOptions:
+        """The options, each checked (``TypeError``/``ValueError`` naming the ``OSDPStrategy`` argument)."""
+        from lightning_osdp import options
+
+        return cls(
+            modes=options.check_modes(modes),
+            max_split=options.check_max_split(max_split),
+            activation_checkpointing=options.check_activation_checkpointing(activation_checkpointing),
+            solver_time_limit=options.check_solver_time_limit(solver_time_limit),
+            memory_headroom=options.check_memory_headroom(memory_headroom),
+            solver=options.check_solver(solver),
+            solver_gap=options.check_solver_gap(solver_gap),
+        )
+
+    @property
+    def time_limit(self) -> float:
+        """Former name of :attr:`solver_time_limit`."""
+        return self.solver_time_limit
+
+    @property
+    def headroom(self) -> float:
+        """Former name of :attr:`memory_headroom`."""
+        return self.memory_headroom
+
+    @property
+    def gap(self) -> float:
+        """Former name of :attr:`solver_gap`."""
+        return self.solver_gap
+
+    def plan(self, profile: ModelProfile, budget: int, topology: int | Topology) -> Plan:
+        """The fastest plan for ``profile`` that fits ``budget`` less the headroom on ``topology``
+        (:func:`plan_model` with these options)."""
+        return plan_model(
+            profile,
+            budget,
+            topology,
+            headroom=self.memory_headroom,
+            modes=self.modes,
+            max_split=self.max_split,
+            recompute=self.activation_checkpointing,
+            time_limit=self.solver_time_limit,
+            gap=self.solver_gap,
+            solver=self.solver,
+        )
+
+    def smallest_budget(
+        self, profile: ModelProfile, topology: int | Topology, *, settle_at: int | str | None = None
+    ) -> int:
+        """:func:`smallest_memory_budget` with these options (``settle_at`` as there)."""
+        return smallest_memory_budget(
+            profile,
+            topology,
+            headroom=self.memory_headroom,
+            modes=self.modes,
+            max_split=self.max_split,
+            recompute=self.activation_checkpointing,
+            time_limit=self.solver_time_limit,
+            solver=self.solver,
+            settle_at=settle_at,
+        )
+
+    def fits(self, profile: ModelProfile, plan: Plan, budget: int, topology: Topology) -> bool:
+        """Whether ``plan``'s predicted peak on ``profile`` is within the budget the planner plans against."""
+        from lightning_osdp.cost_model import predict
+
+        return predict(profile, plan, topology).peak_bytes <= planned_budget(budget, self.memory_headroom)
