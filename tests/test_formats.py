@@ -193,5 +193,5 @@ def test_a_profile_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     shutil.copy(DATA / "profile_v1.json", path)
     path.write_text(path.read_text().replace('"version": 1', '"version": 7', 1))
-    with pytest.raises(ValueError, match="not a lightning_osdp profile of version 1, 2, 3, 4 .*version=7"):
+    with pytest.raises(ValueError, match="not a lightning_osdp profile of version 1, 2, 3, 4, 5 .*version=7"):
         ModelProfile.load(path)

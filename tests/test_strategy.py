@@ -292,3 +292,44 @@ def test_an_accumulating_step_is_planned_with_the_gradients_held_between_its_mic
     one_pass = predict(dataclasses.replace(strategy.profile, gradient_accumulation=1), strategy.plan, 1).peak_bytes
     assert one_pass < measured
     assert predicted == pytest.approx(measured, rel=0.01)  # as a plain step's (see the tests of memory_steps above)
+
+
+class TanhGELU(torch.nn.Module):
+    """GPT-2's activation as Hugging Face writes it: eight elementwise operators, each saving or making a tensor of
+    the input's size, whose backward holds several gradients of that size at once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class WideActivation(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(16, 512), TanhGELU(), torch.nn.Linear(512, 16)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.down(self.act(self.up(batch))).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_modules_backward_is_planned_with_what_it_holds_beyond_its_input_gradient() -> None:
+    import dataclasses
+
+    from lightning_osdp import predict, profile
+
+    batch = torch.randn(64, 16)
+    prof = profile(WideActivation(), batch)
+    act = prof.modules["act"]
+    assert act.backward_transient_bytes is not None and act.backward_transient_bytes > act.output_bytes
+    plan = Plan.uniform(WideActivation(), "no_shard")
+    strategy = OSDPStrategy(plan=plan, memory_steps=3)
+    loader = torch.utils.data.DataLoader(batch.repeat(4, 1), batch_size=64)
+    _trainer(strategy, max_steps=3).fit(WideActivation(), loader)
+    measured = strategy.peak_memory_bytes
+    assert measured is not None
+    assert predict(prof, plan, 1).peak_bytes >= measured
+    # Without the measured transient, the walk counts the gradient of the input alone: below what ran.
+    unmeasured = {n: dataclasses.replace(m, backward_transient_bytes=None) for n, m in prof.modules.items()}
+    assert predict(dataclasses.replace(prof, modules=unmeasured), plan, 1).peak_bytes < measured

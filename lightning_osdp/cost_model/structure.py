@@ -14,6 +14,17 @@ model into:
 * **free runs**: modules outside every segment (embeddings, final norm, containers): their activations and
   compute, with no unit events of their own (their parameters are in a global unit).
 
+[Note: modules called from another subtree]
+The walk follows the module tree, and a module runs inside its parent's forward in the tree's order. Not every
+module does: an adapter attached to a backbone's block by a forward hook is registered beside the backbone
+(``model.adapters.0``) and runs inside it, between two of its blocks. Walked after the backbone (its first run is
+after the backbone's), its activations would be counted from the backbone's end in forward, and freed before the
+backbone's backward in backward, where they are alive until the backward reaches the block it ran after: a frozen
+GPT-2 with hooked adapters measured 4-8% above the walk. A child whose runs (its subtree's first runs, from the
+profile's ``forward_order``) all lie inside a sibling's is walked just before that sibling instead: its activations
+are then counted from before the sibling's forward to after its backward, a bound above what is alive at each
+instant (by the part of them made later, or freed earlier, than the walk says), never below.
+
 Everything about one segment depends only on that segment's decisions; what passes between segments is a few
 buffers (a pending all-gather output, a prefetched one, a pending reduce-scatter input). That is what lets the
 solver choose each segment's option independently and still model the chain exactly (see ``timeline.py``).
@@ -36,7 +47,7 @@ from lightning_osdp.cost_model.units import (
 )
 from lightning_osdp.grouping import ROOT, communication_units, covering_decision, slice_name
 from lightning_osdp.plan import MODES, Decision, Plan
-from lightning_osdp.profiling.model_profile import LossMemory, ModelProfile
+from lightning_osdp.profiling.model_profile import LossMemory, ModelProfile, ModuleProfile
 from lightning_osdp.topology import Topology
 
 __all__ = [
@@ -81,19 +92,26 @@ class ModelInfo:
         # A container whose own forward never runs (an ``nn.ModuleList`` of blocks) runs when its first descendant
         # does: without this, the blocks would sort after the head that runs after them.
         first_run: dict[str, int] = {}
+        last_run: dict[str, int] = {}  # the last first run in the subtree
         for name in reversed(list(profile.modules)):
-            below = [first_run[c] for c in profile.modules[name].children if c in first_run]
-            first_run[name] = min([ran.get(name, big), *below])
+            below = [c for c in profile.modules[name].children if c in first_run]
+            first_run[name] = min([ran.get(name, big), *(first_run[c] for c in below)])
+            last_run[name] = max([ran.get(name, -1), *(last_run[c] for c in below)])
 
-        def key(name: str) -> tuple[int, int]:
+        def children(mp: ModuleProfile) -> list[str]:
             # Children in the order they (or their first descendant) first ran; modules never seen running after
-            # those, as registered.
-            return (first_run.get(name, big), registration[name])
+            # those, as registered; a child that ran inside another's run, before it (see [Note: modules called
+            # from another subtree]).
+            kids = [c for c in mp.children if c in profile.modules]
 
-        self.children: dict[str, list[str]] = {
-            name: sorted((c for c in mp.children if c in profile.modules), key=key)
-            for name, mp in profile.modules.items()
-        }
+            def key(name: str) -> tuple[int, int, int, int]:
+                first, last = first_run[name], last_run[name]
+                inside = [first_run[k] for k in kids if first_run[k] < first and last < last_run[k] < big]
+                return (min(inside), 0, first, registration[name]) if inside else (first, 1, first, registration[name])
+
+            return sorted(kids, key=key)
+
+        self.children: dict[str, list[str]] = {name: children(mp) for name, mp in profile.modules.items()}
         self.order: list[str] = []
         stack = [ROOT]
         while stack:
@@ -200,6 +218,9 @@ class Node:
         grad_sum: transient bytes of its backward beyond its gradients: the holder of a tied parameter whose backward
             runs last adds its gradient to the one the other holders produced, out of place (the existing sum, the
             new gradient and their sum alive at once: twice the parameter beyond the one gradient counted).
+        bwd_extra: what its own backward was measured to hold beyond its output's gradient and its parameters'
+            gradients (``ModuleProfile.backward_transient_bytes``; 0: not measured): the walk's transient is the
+            larger of it and ``inp``.
         children: the modules it calls, in forward order.
     """
 
@@ -221,6 +242,7 @@ class Node:
     selective: int | None = None
     selective_forward: int | None = None
     selective_seconds: float = 0.0
+    bwd_extra: int = 0
 
     def saved(self) -> int:
         """Bytes a forward of this subtree saves for backward (a recomputed descendant keeps only its inputs and,
@@ -530,6 +552,7 @@ class _SegmentBuilder:
         )
         node.children = [self.node(c) for c in info.children[name]]
         node.grad_sum = info.grad_sum.get(name, 0)
+        node.bwd_extra = mp.backward_transient_bytes or 0
         return self._with_recompute(node)
 
     def _with_recompute(self, node: Node) -> Node:
@@ -600,6 +623,7 @@ def _free_node(info: ModelInfo, name: str) -> Node:
         mp.fwd_seconds,
         mp.bwd_seconds,
         grad_sum=info.grad_sum.get(name, 0),
+        bwd_extra=mp.backward_transient_bytes or 0,
     )
 
 

@@ -460,7 +460,7 @@ class SegmentSimulator:
         for child in reversed(node.children):
             self.backward(child, ddp)
         self.level += _grads(node.grad)
-        transient = node.out + (node.inp if not node.children else 0)
+        transient = node.out + max(node.inp if not node.children else 0, node.bwd_extra)
         self._backward_instant(self.level + _acts(transient) + _grads(node.grad_sum))
         if ddp:
             self.level -= _grads(node.grad)
@@ -554,7 +554,7 @@ def simulate_free(run: FreeRun) -> FreeCosts:
     bwd_peak, bwd_at = ZERO, run.nodes[-1].name if run.nodes else ""
     cur = ZERO
     for node in reversed(run.nodes):
-        transient = _acts(node.out + node.inp) + _grads(node.grad_sum)
+        transient = _acts(node.out + max(node.inp, node.bwd_extra)) + _grads(node.grad_sum)
         if (cur + transient).total > bwd_peak.total:
             bwd_peak, bwd_at = cur + transient, node.name
         cur -= _acts(node.act)

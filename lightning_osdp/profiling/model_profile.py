@@ -42,8 +42,8 @@ _READS_VERSIONS = (1, 2, 3, 4, PROFILE_VERSION)
 # Version 4 adds the blocks' figures under selective recomputation (``ModuleProfile.selective_kept_bytes``,
 # ``selective_forward_bytes``, ``selective_replay_seconds``). An earlier file reads with them ``None``: its plans
 # offer no selective recomputation, and predicting one made by hand says to profile again.
-# Version 5 adds ``gradient_accumulation`` (micro-batches per optimizer step). An earlier file reads with 1, as its
-# plans were made.
+# Version 5 adds ``gradient_accumulation`` (micro-batches per optimizer step) and
+# ``ModuleProfile.backward_transient_bytes``. An earlier file reads with 1 and ``None``, as its plans were made.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -94,6 +94,10 @@ class ModuleProfile:
             backward (its operators but the kept ones): timed on the device in measured mode (the replay run as
             torch runs it, the kept outputs served from the cache), from its operators' FLOPs and bytes at the
             profile's rates otherwise. ``None`` likewise.
+        backward_transient_bytes: the largest live bytes the module's own backward adds beyond the gradient of its
+            output and its own parameters' gradients (the gradients between its operators, a kernel's temporaries;
+            ``lightning_osdp/profiling/tracer.py`` [Note: backward transients]). ``None``: not measured (a profile
+            from before version 5); the cost model then counts the gradient of its input alone.
     """
 
     name: str
@@ -119,6 +123,7 @@ class ModuleProfile:
     selective_kept_bytes: int | None = None
     selective_forward_bytes: int | None = None
     selective_replay_seconds: float | None = None
+    backward_transient_bytes: int | None = None
 
 
 @dataclass

@@ -332,6 +332,7 @@ def _module_profiles(
             optim_scalar_bytes=session.state.scalar_bytes.get(name, 0),
             input_bytes=traced.input_bytes,
             input_saved_bytes=traced.input_saved_bytes,
+            backward_transient_bytes=traced.backward_transient_bytes,
         )
     return profiles
 

@@ -30,6 +30,16 @@ Parameters, buffers and the batch are not activations: their storages are exclud
 weak reference: the tracer does not keep it alive, so the step frees memory as it would untraced (what the loss
 region's measurement needs, see ``loss_region.py``).
 
+*Backward transients* (with the loss region's meter): [Note: backward transients]
+A module's backward makes more than the gradient of its input: the gradients between its operators (a tanh GELU's
+eight elementwise steps each make one of the output's size), the temporaries of a fused kernel's backward. The
+cost model's walk has no operators, only modules, so the profile measures them: the backward's nodes run in
+stretches of one owner; a stretch's largest live bytes over those when it began (when the gradient of the module's
+output, which the walk counts, is already live), less the module's own parameters' gradients (which the walk adds
+where the module's backward ends), is what the module's backward holds beyond the walk's level at its largest, and
+``backward_transient_bytes`` is the largest over its stretches. Nodes owned by no module (the loss's) are the loss
+region's.
+
 *The loss region*: given a :class:`~lightning_osdp.profiling.loss_region.LossRegionRecorder`, the tracer tells it
 when a top-level module holding parameters returns in forward, when backward starts, and when the first autograd
 node owned by a module starts.
@@ -282,6 +292,9 @@ class ModuleRecord:
     output_bytes: int = 0
     input_bytes: int = 0
     input_saved_bytes: int = 0
+    #: The largest live bytes any stretch of its backward nodes added over what was live when the stretch began,
+    #: less its own parameters' gradients (recorded with ``memory``; see [Note: backward transients]).
+    backward_transient_bytes: int = 0
     fwd_ops: OpTally = field(default_factory=OpTally)
     bwd_ops: OpTally = field(default_factory=OpTally)
     #: The arguments of the first call, tensors as :class:`TensorSpec` (recorded with ``memory``): what a block is
@@ -409,6 +422,11 @@ class ModuleTracer:
         self._bwd_owner: str | None = None
         self._bwd_start = 0.0
         self._unsized = 0
+        self._stretch: tuple[str, int] | None = None  # (owner, live bytes when its stretch of nodes began)
+        self._own_grad_bytes = {
+            name: sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False) if p.requires_grad)
+            for name, mod in module.named_modules()
+        }
 
     # ---------------------------------------------------------------- one step
     @contextmanager
@@ -487,6 +505,7 @@ class ModuleTracer:
             self._phase = previous
         if self._region is not None:
             self._region.backward_ended()
+            self._end_stretch()
 
     @contextmanager
     def optimizer(self) -> Iterator[None]:
@@ -562,10 +581,23 @@ class ModuleTracer:
         def hook(grad_outputs: Any) -> None:
             if owner is not None and self._region is not None:
                 self._region.module_backward_started()
+                if self._stretch is None or self._stretch[0] != owner:
+                    self._end_stretch()
+                    self._stretch = (owner, self._region.meter.mark()[1])
             self._bwd_owner = owner
             self._bwd_start = self.clock()
 
         return hook
+
+    def _end_stretch(self) -> None:
+        """Record the stretch of backward nodes of one module that ends here (see [Note: backward transients])."""
+        if self._stretch is None or self._region is None or self._record is None:
+            return
+        owner, base = self._stretch
+        self._stretch = None
+        added = self._region.meter.mark()[0] - base - self._own_grad_bytes.get(owner, 0)
+        record = self._record.modules[owner]
+        record.backward_transient_bytes = max(record.backward_transient_bytes, added)
 
     def _node_post(self, owner: str | None) -> Callable[[Any, Any], None]:
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
