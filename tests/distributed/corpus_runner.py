@@ -8,6 +8,7 @@ built on meta, the pretrained folder DDP loads too). Each case writes ``OUT_DIR/
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import warnings
@@ -43,9 +44,14 @@ def budgets(case: Case) -> dict[str, int]:
     torch.manual_seed(0)
     model = case.build()
     batch = largest_batch(case.loader(), scanned=10**9)[0]
-    measured = profile(model, batch)
+    # As the strategy profiles it: with the Trainer's gradient accumulation.
+    accumulation = case.trainer.get("accumulate_grad_batches", 1)
+    measured, estimated = (
+        dataclasses.replace(profile(model, batch, mode=mode), gradient_accumulation=accumulation)
+        for mode in ("measured", "estimated")
+    )
     ddp = predict(measured, Plan.uniform(model, "no_shard"), dist.get_world_size()).peak_bytes
-    low = max(minimum_budget(p, dist.get_world_size()) for p in (measured, profile(model, batch, mode="estimated")))
+    low = max(minimum_budget(p, dist.get_world_size()) for p in (measured, estimated))
     # The planner plans against the budget less its headroom.
     tight = (low + TIGHT * max(ddp - low, 0)) / (1 - DEFAULT_MEMORY_HEADROOM)
     return {"ample": 2 * ddp, "tight": int(tight) + 1}
