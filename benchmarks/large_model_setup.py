@@ -46,7 +46,6 @@ def worker(case: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
-    from torch._subclasses.fake_tensor import is_fake
     from torch.utils.data import DataLoader, TensorDataset
 
     sys.path.insert(0, str(ROOT / "examples" / "gpt"))
@@ -55,18 +54,13 @@ def worker(case: str, out: Path) -> None:
 
     from gpt import GPTModule
 
-    class RealTracker(LiveStorageTracker):
-        def _track(self, t: torch.Tensor) -> None:
-            if not is_fake(t):
-                super()._track(t)
-
     class SetupPeak(Callback):
         def __init__(self) -> None:
-            self.tracker: RealTracker | None = None
+            self.tracker: LiveStorageTracker | None = None
             self.peak = 0
 
         def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-            self.tracker = RealTracker("cpu").start(pl_module)
+            self.tracker = LiveStorageTracker("cpu", count_fake=False).start(pl_module)
 
         def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             assert self.tracker is not None
@@ -102,6 +96,7 @@ def worker(case: str, out: Path) -> None:
     result = {
         "setup_peak": setup_peak.peak,
         "step_peak": strategy.peak_memory_bytes,
+        "step_time": strategy.step_time,
         "vm_hwm": hwm,
         "plan": strategy.plan.summary() if strategy.plan else None,
         "profile_mode": strategy.profile.mode if strategy.profile else None,
@@ -160,12 +155,14 @@ def main() -> None:
     mib = 1 << 20
     allocator = "glibc default" if args.glibc_default else "MALLOC_MMAP_THRESHOLD_=131072"
     print(f"budget {BUDGET / mib:.0f} MiB per rank; checkout {args.osdp_path or ROOT}; {allocator}")
-    print(f"{'case':6} {'rank':>4} {'setup peak':>12} {'step peak':>12} {'VmHWM - tiny':>13}  plan / profile")
+    header = f"{'case':6} {'rank':>4} {'setup peak':>12} {'step peak':>12} {'VmHWM - tiny':>13} {'step s':>7}"
+    print(f"{header}  plan / profile")
     for case, ranks in results.items():
         for rank, r in enumerate(ranks):
             step = f"{r['step_peak'] / mib:10.1f}Mi" if r["step_peak"] else f"{'n/a':>12}"
             print(
                 f"{case:6} {rank:>4} {r['setup_peak'] / mib:10.1f}Mi {step} {(r['vm_hwm'] - base) / mib:11.1f}Mi"
+                f" {r['step_time'] or 0:7.2f}"
                 f"  {r['plan']} / {r['profile_mode']}{'' if r['losses_finite'] else ' (non-finite loss)'}"
             )
 

@@ -37,7 +37,15 @@ import torch
 
 from lightning_osdp._compat import TorchDispatchMode, is_fake, storage_resize_hook, tree_leaves
 
-__all__ = ["AllocatorMeter", "LiveStorageTracker", "MemoryMeter", "memory_meter", "tensors_of"]
+__all__ = [
+    "FREED_BLOCK_THRESHOLD",
+    "AllocatorMeter",
+    "LiveStorageTracker",
+    "MemoryMeter",
+    "memory_meter",
+    "return_freed_blocks",
+    "tensors_of",
+]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -202,3 +210,41 @@ def memory_meter(device: torch.device, *, fake: bool = False) -> MemoryMeter:
     if device.type == "cuda" and not fake:
         return AllocatorMeter(device)
     return LiveStorageTracker(device.type)
+
+
+#: Blocks freed at or above this size go back to the system at once (see :func:`return_freed_blocks`).
+FREED_BLOCK_THRESHOLD = 128 << 10
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+
+
+def return_freed_blocks(threshold: int = FREED_BLOCK_THRESHOLD) -> bool:
+    """Make glibc's allocator give freed blocks of ``threshold`` bytes and more back to the system; ``True`` when
+    it was done (Linux with glibc, and neither ``MALLOC_MMAP_THRESHOLD_`` nor ``MALLOC_TRIM_THRESHOLD_`` set).
+
+    [Note: resident memory on CPU]
+    On CPU the memory budget is the process's: tensors live in glibc's heap. By default glibc raises its mmap
+    threshold each time a large block is freed (up to 32 MiB on 64-bit), so later blocks of that size come from the
+    heap, and a freed block in the middle of the heap stays resident until everything above it is freed too. A
+    sharded step frees and allocates the same large blocks over and over (gathered parameters, gradients, their
+    communication buffers), and the process's peak resident memory (``VmHWM``) grows far past its live tensors: a
+    49M-parameter GPT under a 563 MiB budget on 2 CPU ranks held 556 MiB of tensors at its peak and 955-1,034 MiB
+    resident beyond a tiny model's. With a fixed threshold of 128 KiB (``mallopt``'s ``M_MMAP_THRESHOLD``, which also
+    stops the raising, and ``M_TRIM_THRESHOLD``) every block that size or larger is its own mapping, unmapped when
+    freed, and resident memory follows the live tensors (566-572 MiB there; ``docs/benchmarks.md``, which also
+    compares the step times: the cost is a page fault per page of each new large block). A user who set either
+    variable decided otherwise, and is left alone.
+    """
+    import ctypes
+    import os
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, threshold))

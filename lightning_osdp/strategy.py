@@ -41,6 +41,7 @@ from lightning_osdp.apply.optimizer import prepare_optimizers
 from lightning_osdp.budget import device_memory_capacity, format_bytes
 from lightning_osdp.checkpoint.strategy import CheckpointingStrategy
 from lightning_osdp.distributed import from_rank_zero
+from lightning_osdp.memory import return_freed_blocks
 from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.planning import PlannerOptions, RunPlanner
@@ -336,6 +337,10 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.root_device.type == "cpu":
+            # The budget is the process's memory on CPU: freed large blocks go back to the system
+            # (lightning_osdp/memory.py [Note: resident memory on CPU]).
+            return_freed_blocks()
         # Ranks numbered node by node: rows of the hybrid mesh are shard groups (lightning_osdp/topology.py).
         self._meshes = build_meshes(self.root_device.type, self.topology)
 

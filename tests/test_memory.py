@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 from torch import nn
 
 from lightning_osdp.memory import LiveStorageTracker
+
+from conftest import ROOT, child_env
 
 
 def test_counts_allocations_frees_and_peak() -> None:
@@ -55,3 +61,37 @@ def test_storage_resize_is_tracked() -> None:
     assert tracker.live == 4096
     assert tracker.stop() == 4096
     assert torch.UntypedStorage.resize_ is original  # restored once tracking stops
+
+
+# A 16 MiB tensor freed raises glibc's default mmap threshold to its size (and its trim threshold to twice that): eight
+# 4 MiB tensors then come from the heap, and with the first kept, freeing the others leaves 28 MiB at the heap's top
+# below the trim threshold, resident. Printed: the resident bytes the pattern leaves beyond what it started with.
+_PATTERN = """
+import sys, torch
+def resident(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+if sys.argv[1] == "fit":
+    import lightning as L
+    from lightning_osdp import OSDPStrategy
+    from models import TinyGPT, loaders, quiet_trainer
+    quiet_trainer(OSDPStrategy(memory_budget="1GiB"), devices=1, max_steps=1).fit(TinyGPT(), loaders()[0])
+big = torch.ones(4 << 20); del big
+start = resident()
+blocks = [torch.ones(1 << 20) for _ in range(8)]
+keep = blocks[0]
+del blocks
+print(resident() - start)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_on_cpu_the_strategy_gives_freed_blocks_back_to_the_system() -> None:
+    def retained(case: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", _PATTERN, case], env=child_env(), capture_output=True, text=True, cwd=ROOT
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        return int(run.stdout.split()[-1])
+
+    block = 4 << 20
+    assert retained("plain") > 4 * block  # glibc's default: the freed blocks stay resident
+    assert retained("fit") < 2 * block  # after a CPU run's setup: only the block still alive
