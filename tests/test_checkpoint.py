@@ -719,7 +719,8 @@ def test_consolidated_checkpoint_loads_without_osdp_and_equals_what_ddp_writes(r
 # ============================================================================================== buffers
 @pytest.fixture(scope="module")
 def batchnorm_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The runner's ``batchnorm`` launch (2 ranks): BatchNormCNN saved at the end of epoch 0 and resumed."""
+    """The runner's ``batchnorm`` launch (2 ranks): BatchNormCNN saved at the end of epoch 0 as every checkpoint kind,
+    under two plans, and resumed from each."""
     out = tmp_path_factory.mktemp("batchnorm")
     torchrun(RUNNER, str(out), "batchnorm", timeout=600)
 
@@ -751,33 +752,53 @@ def _assert_continues_bit_equal(runs: Any, resumed: str, uninterrupted: str, *, 
     assert optim_diff(got["optim"], want["optim"]) == 0.0
 
 
+def _saved_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model state a checkpoint holds: a sharded directory's tensors, or a Lightning file's ``state_dict``."""
+    if path.is_dir():
+        return ckpt.read_sharded_tensors(path, ["state_dict"])["state_dict"]
+    state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)["state_dict"]
+    return state
+
+
+#: Each checkpoint kind of the ``batchnorm`` launch: its path under the launch's folder for ``plan``, and the resumed
+#: run's name. ``last_link`` is resumed with ``fit(ckpt_path="last")``.
+BN_KINDS = {
+    "sharded": "BN_{plan}/epoch=0.ckpt",
+    "full": "BN_{plan}_full_save/epoch=0.ckpt",
+    "consolidated": "BN_{plan}.consolidated.ckpt",
+    "last_link": "BN_{plan}/last.ckpt",
+}
+
+
 @multiprocess
 @pytest.mark.parametrize("plan", ["bn_sharded", "bn_mixed"])
-def test_a_sharded_checkpoint_holds_rank_0_buffers_and_resumes_bit_equal_in_parameters_and_buffers(
-    batchnorm_runs: Any, plan: str
+@pytest.mark.parametrize("kind", list(BN_KINDS))
+def test_every_checkpoint_kind_holds_rank_0_buffers_and_resumes_bit_equal_in_parameters_and_buffers(
+    batchnorm_runs: Any, kind: str, plan: str
 ) -> None:
-    """Training broadcasts rank 0's buffers before each training forward (DDP's semantics, every plan shape): a
-    sharded checkpoint holds rank 0's, as a full one does, whichever rank DCP's de-duplication of replicated tensors
-    would pick to write them; a resume then continues the uninterrupted run in parameters and buffers."""
+    """Training broadcasts rank 0's buffers before each training forward (DDP's semantics, every plan shape): every
+    checkpoint kind holds rank 0's: a sharded one, whichever rank DCP's de-duplication of replicated tensors would
+    pick to write them; a full one; the consolidation of a sharded one; and ``save_last="link"``'s ``last.ckpt``. A
+    resume from each then continues the uninterrupted run bit for bit in parameters, buffers and optimizer state."""
     at_save = [batchnorm_runs(f"BN_{plan}", rank)["buffers"][4] for rank in range(2)]
     statistics = [k for k in at_save[0] if "running_" in k]
     assert len(statistics) == 6
     # Precondition: at the save each rank holds the statistics of its own batch, so another rank's would show.
     assert all(not torch.equal(at_save[0][k], at_save[1][k]) for k in statistics)
-    path = batchnorm_runs.path / f"BN_{plan}" / "epoch=0.ckpt"
-    assert path.is_dir()
-    saved = ckpt.read_sharded_tensors(path, ["state_dict"])["state_dict"]
+    path = batchnorm_runs.path / BN_KINDS[kind].format(plan=plan)
+    expected_form = {"sharded": "directory", "full": "file", "consolidated": "file", "last_link": "link"}[kind]
+    form = "link" if path.is_symlink() else "directory" if path.is_dir() else "file"
+    assert form == expected_form, path
+    if kind == "last_link":  # a link to the sharded save of the end of epoch 0, still at the run's end
+        assert path.resolve() == (batchnorm_runs.path / BN_KINDS["sharded"].format(plan=plan)).resolve()
+    if kind == "full":  # the run stopped at the save (step 4) is the uninterrupted run's first 4 steps
+        assert batchnorm_runs(f"BN_{plan}_full_save")["losses"] == batchnorm_runs(f"BN_{plan}")["losses"][:4]
+    saved = _saved_model_state(path)
     assert _buffer_diffs({k: saved[k] for k in at_save[0]}, at_save[0]) == {}
-    _assert_continues_bit_equal(batchnorm_runs, f"BN_{plan}_resumed", f"BN_{plan}", steps_before=4)
-
-
-@multiprocess
-def test_a_consolidated_batchnorm_checkpoint_resumes_bit_equal_in_parameters_and_buffers(batchnorm_runs: Any) -> None:
-    path = batchnorm_runs.path / "BN_bn_mixed.full.ckpt"
-    rank0 = batchnorm_runs("BN_bn_mixed")["buffers"][4]
-    state = torch.load(path, weights_only=True)["state_dict"]
-    assert _buffer_diffs({k: state[k] for k in rank0}, rank0) == {}
-    _assert_continues_bit_equal(batchnorm_runs, "BN_bn_mixed_consolidated", "BN_bn_mixed", steps_before=4)
+    _assert_continues_bit_equal(batchnorm_runs, f"BN_{plan}_from_{kind}", f"BN_{plan}", steps_before=4)
+    if kind == "last_link":
+        resumed_from = batchnorm_runs(f"BN_{plan}_from_{kind}")["messages"]
+        assert any(str(path) in line for line in resumed_from), resumed_from
 
 
 # ============================================================================================== concurrent saves

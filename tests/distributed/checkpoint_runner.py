@@ -2,11 +2,11 @@
 
 ``checkpoint_runner.py OUT world2``: under ``torchrun --nproc-per-node 2``, every two-rank case in one launch (the
 imports and the gloo group are shared), in dependency order; each case writes ``OUT/CASE.rank{R}.pt``.
-``checkpoint_runner.py OUT batchnorm``: a BatchNorm model (buffers that every training forward changes) saved and
-resumed under an all-sharded and a mixed plan (2 ranks). ``checkpoint_runner.py OUT save-loop PATH``: one process
-saving a large model to PATH again and again (the kill-during-save test kills it). ``checkpoint_runner.py OUT
-save-concurrently PATH N``: N saves to PATH, while other processes save there too. ``checkpoint_runner.py OUT
-bench``: save/load timings, sharded vs full (2 ranks).
+``checkpoint_runner.py OUT batchnorm``: a BatchNorm model (buffers that every training forward changes) saved as
+every checkpoint kind and resumed from each, under an all-sharded and a mixed plan (2 ranks).
+``checkpoint_runner.py OUT save-loop PATH``: one process saving a large model to PATH again and again (the
+kill-during-save test kills it). ``checkpoint_runner.py OUT save-concurrently PATH N``: N saves to PATH, while other
+processes save there too. ``checkpoint_runner.py OUT bench``: save/load timings, sharded vs full (2 ranks).
 The one-rank cases run inside the test process (:func:`fit` is imported from here).
 """
 
@@ -139,17 +139,24 @@ def fit(
     plan: str | None,
     devices: int,
     state_dict_type: str = "sharded",
-    ckpt_path: Path | None = None,
+    ckpt_path: Path | str | None = None,
+    last_in: Path | None = None,
     max_steps: int = -1,
     save_every: int | None = None,
     save_epochs: bool = False,
+    save_last_link: bool = False,
     record_at: tuple[int, ...] = (),
     model_kwargs: dict[str, Any] | None = None,
     model_class: str = "TinyGPT",
 ) -> dict[str, Any]:
     """One ``Trainer.fit`` of TinyGPT (or ``model_class="BatchNormCNN"``, 4 steps per epoch at two ranks) (DDP when
     ``plan`` is None), with ModelCheckpoint saving to ``out/name``; returns (and saves as ``out/name.rank{R}.pt``) the
-    losses, snapshots, this rank's buffers, messages and error of this rank."""
+    losses, snapshots, this rank's buffers, messages and error of this rank.
+
+    ``save_last_link`` (with ``save_epochs``): the epoch checkpoints keep only the first one (``save_top_k=1`` on
+    the smallest ``step``), and ``last.ckpt`` is a link to it (``save_last="link"``), still at the run's end.
+    ``last_in``: the directory where ``ckpt_path="last"`` finds ``last.ckpt``, through a ModelCheckpoint there that
+    saves nothing (Lightning looks for ``last*.ckpt`` in its checkpoint callbacks' directories)."""
     L.seed_everything(0, workers=True)
     model: TinyGPT | BatchNormCNN
     if model_class == "BatchNormCNN":
@@ -162,8 +169,22 @@ def fit(
     callbacks: list[Callback] = [recorder]
     if save_every:
         callbacks.append(ModelCheckpoint(out / name, filename="{step}", every_n_train_steps=save_every, save_top_k=-1))
-    if save_epochs:
+    if save_epochs and save_last_link:
+        callbacks.append(
+            ModelCheckpoint(
+                out / name,
+                filename="{epoch}",
+                save_on_train_epoch_end=True,
+                monitor="step",
+                mode="min",
+                save_top_k=1,
+                save_last="link",
+            )
+        )
+    elif save_epochs:
         callbacks.append(ModelCheckpoint(out / name, filename="{epoch}", save_on_train_epoch_end=True, save_top_k=-1))
+    if last_in is not None:
+        callbacks.append(ModelCheckpoint(last_in, save_top_k=0))
     strategy: Any = "ddp"
     if plan is not None:
         # memory_steps=0: the CPU peak-memory tracker is not under test here, and it costs Python time per operator.
@@ -176,7 +197,7 @@ def fit(
         max_steps=max_steps,
         limit_val_batches=0,
         logger=False,
-        enable_checkpointing=bool(save_every or save_epochs),
+        enable_checkpointing=bool(save_every or save_epochs or last_in),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
@@ -248,19 +269,29 @@ def world2(out: Path) -> None:
 
 
 def batchnorm(out: Path) -> None:
-    """BatchNormCNN under an all-sharded and a mixed plan: an uninterrupted run that saves at the end of epoch 0
-    (step 4) and records each rank's buffers there, then the run resumed from that sharded checkpoint; and, under
-    the mixed plan, resumed from its consolidated file."""
+    """BatchNormCNN under an all-sharded and a mixed plan: an uninterrupted run that saves a sharded checkpoint at the
+    end of epoch 0 (step 4), ``last.ckpt`` a link to it, and records each rank's buffers there; the same run stopped
+    there under ``state_dict_type="full"`` (one file); the sharded checkpoint consolidated; then the run resumed from
+    each of the four: ``BN_{plan}_from_{kind}``."""
+    bn = "BatchNormCNN"
     for plan in ("bn_sharded", "bn_mixed"):
-        uninterrupted = f"BN_{plan}"
-        fit(out, uninterrupted, plan=plan, devices=2, save_epochs=True, record_at=(4,), model_class="BatchNormCNN")
-        saved = out / uninterrupted / "epoch=0.ckpt"
-        fit(out, f"BN_{plan}_resumed", plan=plan, devices=2, ckpt_path=saved, model_class="BatchNormCNN")
-    consolidated = out / "BN_bn_mixed.full.ckpt"
-    if _rank() == 0:
-        ckpt.consolidate(out / "BN_bn_mixed" / "epoch=0.ckpt", consolidated)
-    dist.barrier()
-    fit(out, "BN_bn_mixed_consolidated", plan="bn_mixed", devices=2, ckpt_path=consolidated, model_class="BatchNormCNN")
+        name = f"BN_{plan}"
+        fit(out, name, plan=plan, devices=2, save_epochs=True, save_last_link=True, record_at=(4,), model_class=bn)
+        full = f"{name}_full_save"
+        fit(out, full, plan=plan, devices=2, state_dict_type="full", max_steps=4, save_epochs=True, model_class=bn)
+        consolidated = out / f"{name}.consolidated.ckpt"
+        if _rank() == 0:
+            ckpt.consolidate(out / name / "epoch=0.ckpt", consolidated)
+        dist.barrier()
+        sources: dict[str, Path | str] = {
+            "sharded": out / name / "epoch=0.ckpt",
+            "full": out / full / "epoch=0.ckpt",
+            "consolidated": consolidated,
+            "last_link": "last",  # out/name/last.ckpt, found by Lightning as fit(ckpt_path="last") finds it
+        }
+        for kind, source in sources.items():
+            last_in = out / name if source == "last" else None
+            fit(out, f"{name}_from_{kind}", plan=plan, devices=2, ckpt_path=source, last_in=last_in, model_class=bn)
 
 
 # ---------------------------------------------------------------------------------------------- kill during save
