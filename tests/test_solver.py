@@ -187,10 +187,10 @@ def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
         assert plan.report.status == "optimal" or plan.report.status == "within gap 0.001"
         bounds.add(plan.report.bound)
         # The placement of the relaxation's counts (used when its solution is not whole) holds them and fits.
-        counted = problem._count_relaxation(prob, be, formulated[1], formulated[2], 1e-3, 10.0)
+        counted = problem._count_relaxation(prob, be, formulated[1], formulated[2], 1e-3, ilp._Clock(60.0))
         assert counted is not None
         bound, counts, _ = counted
-        placed = problem._with_counts(prob, be, formulated[1], formulated[2], counts, 1e-3, 10.0)
+        placed = problem._with_counts(prob, be, formulated[1], formulated[2], counts, 1e-3, ilp._Clock(60.0))
         assert placed is not None
         for (c, option), n in counts.items():
             assert sum(placed[key] == option for key in problem.classes[c]) == n
@@ -640,5 +640,5 @@ def test_an_lp_stopped_on_the_way_bounds_nothing(monkeypatch):
             super().__init__(**kwargs, simplex_iteration_limit=0, presolve="off")
 
     monkeypatch.setattr(ilp, "_HiGHS", Stopped)
-    assert problem._relax(f, incumbent, 10.0) == "stopped"
+    assert problem._relax(f, incumbent) == "stopped"
     assert incumbent.lower is None

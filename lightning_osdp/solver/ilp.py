@@ -26,10 +26,10 @@ phases follow, each stopping the solve once the gap is proved ([Note: the order 
 and why): a small branch and bound over the fractional choices and a spread of others (the rest fixed) looks for
 the swaps rounding misses; a short run of HiGHS's branch and bound on the whole problem tries to prove the
 incumbent at once; the count relaxation below tightens the bound and may place a better plan. Failing them,
-HiGHS's branch and bound runs on the whole problem with ``gapRel`` and ``timeLimit`` (the gap taken relative to the
+HiGHS's branch and bound runs on the whole problem with ``gapRel`` and a node limit (the gap taken relative to the
 whole predicted step time, constant included); what it proves decides between a proven optimum, a solution within
-the gap, a time-limit solution with the gap proved, infeasibility (then the smallest feasible budget is computed and
-reported) and failure.
+the gap, a work-limit solution with the gap proved, infeasibility (then the smallest feasible budget is computed and
+reported) and failure. Every search stops on work, not on seconds: [Note: work limits].
 
 Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_search_neighbourhood``, ``_probe``,
 ``_tighten_by_counts``, ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces
@@ -48,7 +48,29 @@ the false certificate ("optimal", "within gap 0.001" for a plan 0.1-0.3% from a 
 ``tests/test_solver.py``, ``test_every_status_holds_against_the_enumerated_optimum``). So was the last phase's
 "within gap" whenever its run handed back no usable plan (one HiGHS's tolerances let break a row of the budget),
 proved by nothing (``test_a_last_phase_without_a_proof_does_not_report_the_gap``). A search that ends without
-proving the gap says what stopped it: ``"time limit (within gap X)"``, with the gap the bound does prove.
+proving the gap says what stopped it: ``"work limit (within gap X)"`` (its node limits), or ``"time limit (within
+gap X)"`` (the safety net, see [Note: work limits]), with the gap the bound does prove.
+
+[Note: work limits]
+The plan is a function of the problem (profile, budget, options) alone: the same on every run, under any load and on
+any machine. Until 0.1.x every phase stopped on wall-clock seconds (a quarter, a tenth, the rest of ``time_limit``),
+so a loaded machine searched less and could return another plan and status (6,835.715 against 6,814.459 ms on the
+297-unit benchmark problem). Now each HiGHS branch and bound stops on a number of nodes (``mip_max_nodes``, per
+phase in :data:`_NODES`: the neighbourhood 100, the probe 1 (its root), the count relaxation 50, the placement of its
+counts 5, the last phase 50); HiGHS is deterministic for a given model and options (its ``random_seed`` is fixed at
+its default, its parallel tasks do not change its path), and the LP relaxation runs to its optimum. HiGHS ends a
+node-limited run with ``kSolutionLimit``, which pulp does not map (``_HiGHS.findSolutionValues``); the run is then
+incomplete, and proves only its dual bound. The root node is not bounded by a node limit but by HiGHS's own
+deterministic effort: it is most of a phase's time at 297 units (2-6 s). The limits were sized on
+``benchmarks/solver_speed.py --units 300``: the same plans as the 10 s wall-clock limit gave on a quiet machine, in
+4-15 s of CPU (``docs/benchmarks.md``, "Planning speed").
+
+``time_limit`` (``solver_time_limit``) remains as a safety net only: each HiGHS run may take that many seconds, the
+whole solve :data:`_RUNS` (3) times that (a phase not started once it is past; the last phase still runs for a
+second when no plan is held). A limit that is not reached changes nothing. One that is reached makes the plan the
+machine's as much as the problem's, and the status says so whatever was proved: ``"time limit (within gap X)"``.
+``tests/test_deterministic.py`` solves one problem repeatedly beside busy processes, and under a generous and a
+short limit, and gets one plan and status.
 
 [Note: the order of the phases]
 Each middle phase proves a different kind of instance, and each costs time where it does not: the cheapest
@@ -189,12 +211,35 @@ class SolverError(RuntimeError):
     """The ILP's solver (HiGHS) found no plan within its limits."""
 
 
+class _Clock:
+    """The solve's wall-clock safety net (see [Note: work limits]): each HiGHS run may take ``time_limit`` seconds,
+    the whole solve :data:`_RUNS` times that; :attr:`hit` says whether either limit was reached (a run stopped by
+    it, or a phase not started for it)."""
+
+    def __init__(self, time_limit: float, started: float | None = None) -> None:
+        self.time_limit = time_limit
+        self.deadline = (time.perf_counter() if started is None else started) + _RUNS * time_limit
+        self.hit = False
+
+    def left(self) -> float:
+        """Seconds the next run may take: ``time_limit``, or what is left of the solve's (negative once past it)."""
+        return min(self.time_limit, self.deadline - time.perf_counter())
+
+    def expired(self) -> bool:
+        """Whether the solve's limit is past; once it is, :attr:`hit` is set."""
+        if self.deadline - time.perf_counter() <= 0:
+            self.hit = True
+        return self.hit
+
+
 @dataclass(frozen=True)
 class SolveResult:
     """How a solve (or one branch and bound run) ended; ``bound`` names what proves the gap (see [Note: solving]).
 
     ``lower`` is the lower bound the run proved (``None``: none), ``complete`` whether it searched to the end (no
-    limit stopped it): only a complete run that finds nothing under a cutoff proves that no plan is under it."""
+    limit stopped it): only a complete run that finds nothing under a cutoff proves that no plan is under it.
+    ``stopped`` names the limit that stopped an incomplete run: ``"work limit"`` (its nodes) or ``"time limit"``
+    (the safety net; see [Note: work limits])."""
 
     status: str
     gap: float | None
@@ -203,6 +248,7 @@ class SolveResult:
     bound: str = "branch and bound"
     lower: float | None = None
     complete: bool = True
+    stopped: str | None = None
 
 
 class Incumbent:
@@ -215,19 +261,25 @@ class Incumbent:
             its peak, and every plan fits).
         gap: the relative gap at which the search stops.
         started: when the solve started (``time.perf_counter()``), for the seconds reported.
+        time_limit: the wall-clock safety net, in seconds from ``started`` (see [Note: work limits]): the phases'
+            runs are stopped at it, and a solve that hits it says so in its status.
 
     Attributes:
         chosen: the option per choice of the best plan found (``None`` until one fits).
         value: its objective (step time in ms, or peak in MiB); ``inf`` until one fits.
         lower: the best lower bound of the objective (``None`` until a phase proves one).
         proof: what proves ``lower``: ``"LP relaxation"``, ``"count relaxation"`` or ``"branch and bound"``.
+        clock: the safety net's :class:`_Clock`.
     """
 
-    def __init__(self, be: LinearBackend, *, budget: int | None, gap: float, started: float) -> None:
+    def __init__(
+        self, be: LinearBackend, *, budget: int | None, gap: float, started: float, time_limit: float = math.inf
+    ) -> None:
         self.be = be
         self.rhs = None if budget is None else _rhs(budget)
         self.gap = gap
         self.started = started
+        self.clock = _Clock(time_limit, started)
         self.chosen: dict[Hashable, Hashable] | None = None
         self.value = math.inf
         self.lower: float | None = None
@@ -300,12 +352,16 @@ class Incumbent:
         """Seconds since the solve started."""
         return time.perf_counter() - self.started
 
-    def result(self, stopped: str = "time limit") -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
+    def result(self, stopped: str = "work limit") -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
         """The incumbent as the solve's answer, its status read from the plan's value and the bound held, and from
         nothing else (see [Note: the certificate]): ``"optimal"``, ``"within gap G"`` (the gap asked for) when the
-        bound proves it, else ``stopped`` (what ended the search) with the gap the bound proves."""
+        bound proves it, else ``stopped`` (what ended the search) with the gap the bound proves. A solve that hit
+        the wall-clock safety net says so whatever it proved (``"time limit (within gap X)"``): its plan is the
+        machine's load's as much as the problem's (see [Note: work limits])."""
         achieved = self.loss()
-        if self.proved():
+        if self.clock.hit:
+            status = f"time limit (within gap {achieved:.2g})"
+        elif self.proved():
             status = "optimal" if achieved <= 1e-9 + _ROUNDING else f"within gap {self.gap:g}"
         else:
             status = f"{stopped} (within gap {achieved:.2g})"
@@ -594,28 +650,30 @@ class PlanningProblem:
         formulated = self._formulate(be, budget)
         if formulated is None:
             return None, SolveResult("infeasible", None, 0.0, math.nan)
-        incumbent = Incumbent(be, budget=budget, gap=gap, started=started)
+        incumbent = Incumbent(be, budget=budget, gap=gap, started=started, time_limit=time_limit)
         if settle_at is not None and budget is None:
             incumbent.settle_at = _rhs(settle_at)
         f = _Formulation(*formulated, be=be)
-        if self._relax(f, incumbent, time_limit) == "infeasible":
+        if self._relax(f, incumbent) == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
         if incumbent.lower is not None:
             fractional = self._round_relaxation(f, incumbent)
             # The order of the phases between rounding and the last: see [Note: the order of the phases].
-            neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional, time_limit / 4)
-            probe = functools.partial(self._probe, f, incumbent, time_limit / 10)
-            counts = functools.partial(self._tighten_by_counts, f, incumbent, time_limit / 4)
+            neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional)
+            probe = functools.partial(self._probe, f, incumbent)
+            counts = functools.partial(self._tighten_by_counts, f, incumbent)
             phases = [counts, neighbourhood] if incumbent.minimises_peak else [neighbourhood, probe, counts]
             for phase in phases:
                 if incumbent.within_gap():
                     return incumbent.result("settled")
+                if incumbent.clock.expired() and incumbent.chosen is not None:
+                    return incumbent.result("time limit")
                 phase()
             if incumbent.within_gap():
                 return incumbent.result("settled")
-        return self._branch_and_bound(f, incumbent, time_limit)
+        return self._branch_and_bound(f, incumbent)
 
-    def _relax(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> str:
+    def _relax(self, f: _Formulation, incumbent: Incumbent) -> str:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
         solution has very few fractional choices). Returns ``"optimal"``, ``"infeasible"`` or ``"stopped"``.
 
@@ -623,8 +681,10 @@ class PlanningProblem:
         and the objective of a simplex stopped on the way bounds nothing (see [Note: the certificate])."""
         import highspy
 
-        f.prob.solve(_HiGHS(msg=False, mip=False, timeLimit=time_limit))
+        f.prob.solve(_HiGHS(msg=False, mip=False, timeLimit=max(incumbent.clock.left(), _MIN_SECONDS)))
         status = f.prob.solverModel.getModelStatus()
+        if status == highspy.HighsModelStatus.kTimeLimit:
+            incumbent.clock.hit = True
         if status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
             return "infeasible"
         if status != highspy.HighsModelStatus.kOptimal:
@@ -657,42 +717,42 @@ class PlanningProblem:
                     break
         return fractional
 
-    def _tighten_by_counts(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> None:
+    def _tighten_by_counts(self, f: _Formulation, incumbent: Incumbent) -> None:
         """Rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it
         (see [Note: identical segments]); its solution is offered when whole, and its counts placed otherwise."""
         if not self.classes:
             return
-        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, time_limit)
+        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, incumbent.clock)
         if counted is None:
             return
         bound, found, whole = counted
         incumbent.raise_bound(bound, "count relaxation")
         incumbent.offer(whole)
-        if not incumbent.within_gap():
-            incumbent.offer(self._with_counts(f.prob, f.be, f.xs, f.counts, found, incumbent.gap, time_limit))
+        if not incumbent.within_gap() and not incumbent.clock.expired():
+            incumbent.offer(self._with_counts(f.prob, f.be, f.xs, f.counts, found, incumbent.gap, incumbent.clock))
 
     def _search_neighbourhood(
         self,
         f: _Formulation,
         incumbent: Incumbent,
         fractional: Mapping[Hashable, Sequence[Hashable]],
-        time_limit: float,
     ) -> None:
         """Rounding lost more than the gap: re-optimise a few choices around the incumbent, the rest
         fixed (see :meth:`_neighbourhood`)."""
         if incumbent.chosen is None or len(f.be.options) < 2 * _NEIGHBOURHOOD:
             return  # every choice would be free (see _neighbourhood): the whole problem, the last phase's
         start = incumbent.chosen
-        incumbent.offer(self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, time_limit))
+        chosen = self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, incumbent.clock)
+        incumbent.offer(chosen)
 
-    def _probe(self, f: _Formulation, incumbent: Incumbent, time_limit: float) -> None:
-        """The last phase's branch and bound for a short ``time_limit``, before the count relaxation: with the
-        incumbent's cutoff, the solver's own cuts often prove the gap at its root (see [Note: the order of the
+    def _probe(self, f: _Formulation, incumbent: Incumbent) -> None:
+        """The last phase's branch and bound cut short (``_NODES["probe"]``), before the count relaxation: with
+        the incumbent's cutoff, the solver's own cuts often prove the gap at its root (see [Note: the order of the
         phases]). A plan it finds is offered, the bound it proves raised."""
         try:
-            chosen, result = self._whole_problem(f, incumbent, time_limit)
+            chosen, result = self._whole_problem(f, incumbent, _NODES["probe"])
         except SolverError:
-            return  # no plan better than the incumbent by the gap found in the time: the phases go on
+            return  # no plan better than the incumbent by the gap found within its nodes: the phases go on
         self._settle_cutoff(incumbent, chosen, result)
 
     def _settle_cutoff(
@@ -708,35 +768,39 @@ class PlanningProblem:
         incumbent.take(chosen, result)
 
     def _whole_problem(
-        self, f: _Formulation, incumbent: Incumbent, time_limit: float
+        self, f: _Formulation, incumbent: Incumbent, nodes: int, *, seconds: float = 0.0
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-        """The solver's branch and bound on the whole problem for ``time_limit`` seconds, the gap asked for and,
-        with an incumbent, its cutoff (only plans better than it by more than the gap are searched); raises
-        :class:`SolverError` when it finds no plan in the time."""
+        """The solver's branch and bound on the whole problem for at most ``nodes`` nodes (and the safety net's
+        time left, or ``seconds`` if longer), the gap asked for and, with an incumbent, its cutoff (only plans
+        better than it by more than the gap are searched); raises :class:`SolverError` when it finds no plan."""
         cutoff = None if incumbent.chosen is None else incumbent.value * (1 - incumbent.gap)
-        return _run_mip(f.prob, f.be, f.xs, gap=incumbent.gap, time_limit=time_limit, cutoff=cutoff)
+        return _run_mip(
+            f.prob, f.be, f.xs, gap=incumbent.gap, clock=incumbent.clock, nodes=nodes, cutoff=cutoff, seconds=seconds
+        )
 
     def _branch_and_bound(
-        self, f: _Formulation, incumbent: Incumbent, time_limit: float
+        self, f: _Formulation, incumbent: Incumbent
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-        """The last phase: the solver's branch and bound on the whole problem, for what time is left. With an
-        incumbent, the solver only looks for plans better than it by more than the gap (a cutoff): a complete
+        """The last phase: the solver's branch and bound on the whole problem, for ``_NODES["last"]`` nodes. With
+        an incumbent, the solver only looks for plans better than it by more than the gap (a cutoff): a complete
         search that finds none proves the incumbent within the gap. The status is the incumbent's
-        (:meth:`Incumbent.result`): what was proved, whatever the run said of its own plan."""
-        left = max(time_limit - incumbent.elapsed(), 1.0)
+        (:meth:`Incumbent.result`): what was proved, whatever the run said of its own plan. Past the safety net
+        it runs only when no plan is held, for a second at least."""
+        if incumbent.clock.expired() and incumbent.chosen is not None:
+            return incumbent.result("time limit")
         try:
-            chosen, result = self._whole_problem(f, incumbent, left)
+            chosen, result = self._whole_problem(f, incumbent, _NODES["last"], seconds=1.0)
         except SolverError:
             if incumbent.chosen is None:
                 raise
-            return incumbent.result("time limit")
+            return incumbent.result("work limit")
         if incumbent.chosen is None and result.status == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
         self._settle_cutoff(incumbent, chosen, result)
         if incumbent.chosen is None:
             # The run's plan breaks a row (HiGHS's tolerances): no plan, and none proved to exist.
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
-        return incumbent.result("time limit" if not result.complete else "unproven")
+        return incumbent.result(result.stopped or "unproven")
 
     def _count_relaxation(
         self,
@@ -745,7 +809,7 @@ class PlanningProblem:
         xs: list[pulp.LpVariable],
         counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
         gap: float,
-        time_limit: float,
+        clock: _Clock,
     ) -> tuple[float, dict[tuple[int, Hashable], int], dict[Hashable, Hashable] | None] | None:
         """The lower bound of the count relaxation (see [Note: identical segments]), its integer counts per
         (class, option), and its solution as a plan when every choice in it came out whole (then it is a plan of
@@ -754,7 +818,7 @@ class PlanningProblem:
         for x in relaxed:
             x.cat = pulp.LpContinuous
         try:
-            _, result = _run_mip(prob, be, xs, gap=gap / 4, time_limit=max(time_limit, 1.0), light=True)
+            _, result = _run_mip(prob, be, xs, gap=gap / 4, clock=clock, nodes=_NODES["counts"], light=True)
         except SolverError:
             return None
         finally:
@@ -779,14 +843,14 @@ class PlanningProblem:
         counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
         values: Mapping[tuple[int, Hashable], int],
         gap: float,
-        time_limit: float,
+        clock: _Clock,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound with each class of identical segments held to the counts ``values``: where the count
         relaxation's segments go (its time is fixed, only the peak is left to satisfy)."""
         for k, n in counts.items():
             n.lowBound = n.upBound = values[k]
         try:
-            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, time_limit=max(time_limit, 1.0), light=True)
+            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, clock=clock, nodes=_NODES["placement"], light=True)
         except SolverError:
             chosen = None
         finally:
@@ -802,7 +866,7 @@ class PlanningProblem:
         start: dict[Hashable, Hashable],
         fractional: Mapping[Hashable, Sequence[Hashable]],
         gap: float,
-        time_limit: float,
+        clock: _Clock,
     ) -> dict[Hashable, Hashable] | None:
         """Branch and bound over the fractional choices, the global units and a spread of other segments (every
         other choice fixed to ``start``): finds the swaps rounding misses (one block to full_shard so that
@@ -822,7 +886,7 @@ class PlanningProblem:
                 x.lowBound = x.upBound = value
                 fixed.append(x)
         try:
-            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, time_limit=max(time_limit, 1.0))
+            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, clock=clock, nodes=_NODES["neighbourhood"])
         except SolverError:
             chosen = None
         finally:
@@ -980,6 +1044,16 @@ _LIGHT: dict[str, Any] = {"presolve": "off", "mip_heuristic_effort": 0.0}
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
 
+#: The work limit of each phase's branch and bound, in HiGHS's nodes (``mip_max_nodes``): what stops the search, where
+#: the gap does not, on every machine alike (see [Note: work limits]).
+_NODES: dict[str, int] = {"neighbourhood": 100, "probe": 1, "counts": 50, "placement": 5, "last": 50}
+
+#: The safety net of a whole solve, in time limits (of one run each; see [Note: work limits]).
+_RUNS = 3
+
+#: The shortest time limit HiGHS is given for the LP relaxation (a time limit of 0 is refused).
+_MIN_SECONDS = 1e-3
+
 
 def check_solver(solver: str) -> str:
     """The MILP solver ``solver`` names: ``"highs"``. ``"cbc"`` (the default until it was removed) still plans,
@@ -1024,6 +1098,21 @@ class _HiGHS(pulp.HiGHS):
         if constant:
             lp.solverModel.changeObjectiveOffset(float(constant))
 
+    def findSolutionValues(self, lp: pulp.LpProblem) -> tuple[int, int]:
+        """pulp's reading of the solution, and of HiGHS's node and leaf limits, which pulp does not map (its
+        lookup fails after the values are assigned): read as it reads the time limit. The solve's own status is
+        read from HiGHS (:func:`_run_mip`), not from pulp's."""
+        import highspy
+
+        try:
+            return cast(tuple[int, int], super().findSolutionValues(lp))
+        except KeyError:
+            if lp.solverModel.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
+                raise
+            if lp.solverModel.getInfo().primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible:
+                return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+
 
 def _run_mip(
     prob: pulp.LpProblem,
@@ -1031,40 +1120,51 @@ def _run_mip(
     xs: list[pulp.LpVariable],
     *,
     gap: float,
-    time_limit: float,
+    clock: _Clock,
+    nodes: int,
     cutoff: float | None = None,
     light: bool = False,
+    seconds: float = 0.0,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound on HiGHS, in process; with ``cutoff`` (of the whole objective) only better plans are
-    searched; ``light`` turns presolve and primal heuristics off (see :data:`_LIGHT`). The status, the dual bound
-    and whether the search ran to its end are read from HiGHS itself (pulp reads every limit as "Optimal").
-    Raises :class:`SolverError` when no plan was found and the search did not end."""
+    """Branch and bound on HiGHS, in process, for at most ``nodes`` nodes, stopped by the safety net ``clock`` (or
+    after ``seconds``, if longer; see [Note: work limits]); with ``cutoff`` (of the whole objective) only better
+    plans are searched; ``light`` turns presolve and primal heuristics off (see :data:`_LIGHT`). The status, the
+    dual bound and whether the search ran to its end are read from HiGHS itself (pulp reads every limit as
+    "Optimal"). Raises :class:`SolverError` when no plan was found and the search did not end."""
     import highspy
 
+    time_limit = max(clock.left(), seconds)
+    if time_limit <= 0:
+        clock.hit = True
+        raise SolverError("the ILP solver (HiGHS) was not run: the solve's time limit is past")
     options: dict[str, Any] = dict(_LIGHT) if light else {}
     if cutoff is not None:
         options["objective_bound"] = float(cutoff)  # HiGHS prunes every node at or above it
-    solver = _HiGHS(msg=False, gapRel=gap, timeLimit=time_limit, **options)
+    solver = _HiGHS(msg=False, gapRel=gap, timeLimit=time_limit, mip_max_nodes=nodes, **options)
     started = time.perf_counter()
     prob.solve(solver)
-    seconds = time.perf_counter() - started
+    elapsed = time.perf_counter() - started
     highs = prob.solverModel
     model_status = highs.getModelStatus()
     info = highs.getInfo()
     statuses = highspy.HighsModelStatus
     # Only these end a search: every other status (a limit, an interrupt) stops it on the way.
     complete = model_status in (statuses.kOptimal, statuses.kInfeasible, statuses.kUnboundedOrInfeasible)
+    stopped = None if complete else "time limit" if model_status == statuses.kTimeLimit else "work limit"
+    if stopped == "time limit":
+        clock.hit = True
     if model_status in (statuses.kInfeasible, statuses.kUnboundedOrInfeasible):
-        return None, SolveResult("infeasible", None, seconds, math.nan, complete=True)
+        return None, SolveResult("infeasible", None, elapsed, math.nan, complete=True)
     if info.primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
+        limit = f"{time_limit:g} s" if stopped == "time limit" else f"{nodes} nodes"
         raise SolverError(
-            f"the ILP solver (HiGHS) found no plan within {time_limit:g} s (status "
-            f"{highs.modelStatusToString(model_status)}); raise time_limit or restrict the options (modes, max_split)"
+            f"the ILP solver (HiGHS) found no plan within {limit} (status {highs.modelStatusToString(model_status)}); "
+            "raise solver_time_limit or restrict the options (modes, max_split)"
         )
     value, lower = float(info.objective_function_value), float(info.mip_dual_bound)
     achieved = _relative_gap(value, lower)
-    if not complete:
-        status = "time limit"
+    if stopped is not None:
+        status = stopped
     elif achieved > 1e-9:
         status = f"within gap {gap:g}"
     else:
@@ -1074,7 +1174,9 @@ def _run_mip(
         # HiGHS's dual bound is of the plans under the cutoff only: those at or above it it never looked at, and
         # its bound can exceed the cutoff (and the incumbent). Every plan is at least the smaller of the two.
         bound = min(bound, float(cutoff))
-    return _chosen(be, xs), SolveResult(status, achieved, seconds, value, lower=bound, complete=complete)
+    return _chosen(be, xs), SolveResult(
+        status, achieved, elapsed, value, lower=bound, complete=complete, stopped=stopped
+    )
 
 
 def _footprint(c: SegmentCosts) -> int:
@@ -1178,7 +1280,9 @@ def solve(
         max_split: largest operator-splitting factor (1 disables splitting).
         splits: split factors to consider (those above ``max_split`` are dropped).
         gap: the relative optimality gap (of the whole predicted step time).
-        time_limit: the solver's time limit in seconds (per phase; see [Note: solving]).
+        time_limit: the wall-clock safety net in seconds: each HiGHS run may take this long, the solve 3 times
+            this; the plan does not depend on it unless it is reached, and the status then says ``"time limit"``
+            (the search stops on work limits: see [Note: work limits]).
         units: planning units overriding the automatic choice (see ``lightning_osdp/solver/candidates.py``).
         config: cost-model constants.
         recompute: whether segments may recompute their activations: ``"auto"`` (where it pays), ``True`` (every
@@ -1188,15 +1292,15 @@ def solve(
 
     Returns:
         a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds
-        ``status`` (``"optimal"``, ``"within gap X"`` or ``"time limit"``, with the gap the lower bound proves when
-        a plan is in hand), ``bound`` (what proves it: ``"LP relaxation"``, ``"count relaxation"``, ``"branch and
-        bound"`` or ``"exact check"``), the predicted peak and step time, the budget and the world size;
-        ``plan.info`` holds the same figures under their historical names.
+        ``status`` (``"optimal"``, ``"within gap X"``, ``"work limit"`` or ``"time limit"``, the last two with the gap
+        the lower bound proves when a plan is in hand), ``bound`` (what proves it: ``"LP relaxation"``, ``"count
+        relaxation"``, ``"branch and bound"`` or ``"exact check"``), the predicted peak and step time, the budget and
+        the world size; ``plan.info`` holds the same figures under their historical names.
 
     Raises:
         InfeasibleBudgetError: no plan fits; its message states the smallest budget any plan meets and the
             largest consumers.
-        SolverError: the solver found no solution within ``time_limit``.
+        SolverError: the solver found no solution within its node limits or ``time_limit``.
     """
     from lightning_osdp.budget import parse_memory_budget
 
