@@ -40,8 +40,9 @@ START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork", "forkserver"
 # The timeout bounds every collective, so it is how long a run survives a rank that stops (SIGSTOP, a deadlock in
 # user code, a lost node) before the others fail: torch's default for gloo, which Lightning passes on, is 30
 # minutes. It must still exceed the longest wait that is not a hang, where all ranks wait on one:
-# * rank 0 solving the plan while the others wait for it: the solver spends at most about 3.5 x solver_time_limit in
-#   HiGHS (LP relaxation, heuristics, branch and bound, and the minimum-budget solve of an infeasible budget), plus
+# * rank 0 solving the plan while the others wait for it: the solve stops on work limits, with solver_time_limit as a
+#   safety net of 3 x solver_time_limit per solve (ilp.py's [Note: work limits]; the minimum-budget solve of an
+#   infeasible budget is a second one), plus
 #   building the problem (seconds for 2,000 planning units). `planning_wait` allows 4 x solver_time_limit + 60 s:
 #   100 s at the default 10 s limit; the default timeout grows with a larger limit;
 # * a "full" checkpoint: rank 0 writes one file while the others wait at Lightning's barrier (sharded checkpoints

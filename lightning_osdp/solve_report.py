@@ -111,8 +111,9 @@ class SolveReport:
     """How :func:`~lightning_osdp.solve` made a plan, and what the cost model predicts for it.
 
     Attributes:
-        status: ``"optimal"``, ``"within gap X"`` or ``"time limit"`` (with the gap the lower bound proves, when a
-            plan is in hand).
+        status: ``"optimal"``, ``"within gap X"``, ``"work limit"`` (the solver's node limits ended the search) or
+            ``"time limit"`` (its wall-clock safety net did), the last two with the gap the lower bound proves, when a
+            plan is in hand.
         bound: what proves the status: ``"LP relaxation"``, ``"count relaxation"``, ``"branch and bound"`` or
             ``"exact check"`` (``None``: a plan file from before it was recorded).
         gap: the relative optimality gap the solver was given.

@@ -107,7 +107,9 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         activation_checkpointing: ``"auto"`` (per unit: none, selective or full recomputation, where each pays),
             ``"selective"`` or ``"full"``/``True`` (every unit with activations), ``False`` (never).
         plan_out: where the solved plan is saved (its profile beside it); default ``osdp_plan.json`` in the log dir.
-        solver_time_limit: seconds the ILP solver may take; the plan records whether it is proven optimal.
+        solver_time_limit: a wall-clock safety net for the ILP solver, in seconds: each of its runs may take this
+            long, the solve 3 times this. The solve stops on work limits (the same plan under any load); the plan's
+            report says whether it is proven optimal, and ``"time limit"`` when this net was reached.
         solver_gap: the relative optimality gap the solve stops at (of the predicted step time; ``1e-3``: a plan
             proved within 0.1% of the fastest). A larger gap plans sooner on deep models whose bound is slow to
             prove (``docs/benchmarks.md``, "Planning speed").

@@ -172,7 +172,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         metavar="S",
-        help="seconds per ILP solve, as OSDPStrategy(solver_time_limit=...)",
+        help="wall-clock safety net of the ILP solve (seconds per solver run; the solve stops on work limits), "
+        "as OSDPStrategy(solver_time_limit=...)",
     )
     planner.add_argument(
         "--solver-gap",
