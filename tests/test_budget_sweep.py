@@ -41,7 +41,10 @@ def test_a_large_head_stays_under_tight_budgets_and_a_run_over_budget_corrects_t
         assert r["predicted"] / r["peak"] == pytest.approx(1.0, abs=0.03), name
         # (A model built whole before sharding holds more than these budgets at setup, and says so: not this check.)
         assert r["correction"] == 0 and not [w for w in r["warnings"] if step_over_budget(w)]
-    assert {d["mode"] for d in results["smallest"]["plan"]["decisions"].values()} == {"full_shard"}
+    # Every unit holding parameters is sharded (the root holds none here: its mode changes nothing, and the solver may
+    # leave it no_shard).
+    decisions = results["smallest"]["plan"]["decisions"]
+    assert {d["mode"] for name, d in decisions.items() if name} == {"full_shard"}
     # A buffer the profile never saw takes the DDP plan over its budget: the first check warns with both figures and
     # records the miss in the profile, which the checkpoint saves.
     over = results["over"]
