@@ -43,8 +43,8 @@ START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork", "forkserver"
 # * rank 0 solving the plan while the others wait for it: the solve stops on work limits, with solver_time_limit as a
 #   safety net of 3 x solver_time_limit per solve (ilp.py's [Note: work limits]; the minimum-budget solve of an
 #   infeasible budget is a second one), plus
-#   building the problem (seconds for 2,000 planning units). `planning_wait` allows 4 x solver_time_limit + 60 s:
-#   100 s at the default 10 s limit; the default timeout grows with a larger limit;
+#   building the problem (seconds for 2,000 planning units). `planning_wait` allows 6 x solver_time_limit + 60 s
+#   (two solves' safety nets): 120 s at the default 10 s limit; the default timeout grows with a larger limit;
 # * a "full" checkpoint: rank 0 writes one file while the others wait at Lightning's barrier (sharded checkpoints
 #   are written by all ranks at once). 5 minutes is ~150 GB at 500 MB/s;
 # * Lightning's `prepare_data`, which runs on local rank 0 only (a dataset download) before a barrier.
@@ -53,9 +53,9 @@ START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork", "forkserver"
 
 
 def planning_wait(solver_time_limit: float) -> timedelta:
-    """How long the other ranks may wait for rank 0's solve: ``4 x solver_time_limit + 60 s`` (see [Note: the
+    """How long the other ranks may wait for rank 0's solve: ``6 x solver_time_limit + 60 s`` (see [Note: the
     default timeout])."""
-    return timedelta(seconds=4 * solver_time_limit + 60)
+    return timedelta(seconds=6 * solver_time_limit + 60)
 
 
 def default_timeout(solver_time_limit: float) -> timedelta:

@@ -196,9 +196,9 @@ def test_the_default_timeout_fails_a_hang_in_minutes_and_outlasts_the_solve() ->
     from lightning_osdp.options import DEFAULT_TIMEOUT, planning_wait
 
     assert OSDPStrategy().timeout == DEFAULT_TIMEOUT == timedelta(minutes=5)
-    # The other ranks wait for rank 0's solve: the default grows with a solver time limit above 60 s.
-    assert planning_wait(10.0) == timedelta(seconds=100)
-    assert OSDPStrategy(solver_time_limit=120).timeout == timedelta(seconds=540)
+    # The other ranks wait for rank 0's solve: the default grows with a solver time limit above 40 s.
+    assert planning_wait(10.0) == timedelta(seconds=120)
+    assert OSDPStrategy(solver_time_limit=120).timeout == timedelta(seconds=780)
     assert OSDPStrategy(timeout=90).timeout == timedelta(seconds=90)  # numbers are seconds
 
 
