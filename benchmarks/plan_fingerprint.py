@@ -17,7 +17,8 @@ both all-gather release settings, restricted modes and splits; the saved example
 message; for the solved plans and four hand plans, ``predict``'s summary, per-unit figures and every instant.
 ``compare`` prints the cases that differ and the seconds each took before and after, and exits 1 on a difference.
 The example profiles are measured, hence noisy: make them once and record both sides on the same files.
-Solves that hit their time limit depend on the machine's load: compare on an idle machine.
+Solves stop on node limits, so the plans do not depend on the machine's load; one that hits the wall-clock safety
+net says "time limit" in its status, and may: compare on an idle machine.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def solve_record(profile: ModelProfile, ws: int, budget: int, kw: dict[str, Any]
         plan = solve(profile, budget, ws, **kw)
     except InfeasibleBudgetError as e:
         entry["infeasible"] = [str(e), e.minimum, e.consumers]
-    except SolverError as e:  # no plan within the time limit: recorded, and the record goes on
+    except SolverError as e:  # no plan within the limits: recorded, and the record goes on
         entry["solver_error"] = str(e).split(" within ")[0]
     else:
         entry["decisions"] = plan.to_dict()["decisions"]

@@ -1,13 +1,12 @@
-"""Planning time of the OSDP solver on GPT-shaped profiles of 300 and 2,000 planning units, on CBC and on HiGHS.
+"""Planning time of the OSDP solver (HiGHS, in process) on GPT-shaped profiles of 300 and 2,000 planning units.
 
-Run ``python benchmarks/solver_speed.py [--units 300 2000] [--solvers cbc highs]``. A planning unit is what the solver
+Run ``python benchmarks/solver_speed.py [--units 300 2000] [--budgets 0.1 0.3]``. A planning unit is what the solver
 decides for (``lightning_osdp.solver.Candidates.count``): a block, each of its large Linears (split candidates), the
 tied embedding/head group and the root. The profile is synthetic (``tests/synthetic.py``'s ``gpt_profile``: 4 units
 per block). For each size, ``solve`` runs at budgets 10%, 30%, 50%, 70% and 90% of the way from the smallest feasible
-peak to the all-``no_shard`` peak (default solver settings: gap 1e-3, time limit 10 s), once per solver in turn
-(interleaved, so that both see the same load). Prints, per budget and solver, the wall time, the CPU time (CBC's
-subprocess included: on a loaded machine compare these), the plan's predicted step time, the solver's status and the
-plan. Targets (issue 4, set before recomputation was a choice): under 1 s for 300 units, under 10 s for 2,000;
+peak to the all-``no_shard`` peak (default solver settings: gap 1e-3, the phases' node limits, the 10 s safety net
+per run). Prints, per budget, the wall time, the CPU time (HiGHS's threads included: on a loaded machine compare
+these), the plan's predicted step time, the solver's status and the plan. Targets (issue 4, set before recomputation was a choice): under 1 s for 300 units, under 10 s for 2,000;
 ``docs/benchmarks.md`` ("Planning speed") says where they stand.
 """
 
@@ -35,7 +34,7 @@ def depth_for(units: int) -> int:
 
 
 def _cpu() -> float:
-    """CPU seconds of this process and its finished children (CBC runs as one)."""
+    """CPU seconds of this process (its threads) and its finished children."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
