@@ -125,9 +125,9 @@ def test_valid_values_are_kept_in_the_strategy_s_units() -> None:
 
 
 def test_a_timeout_shorter_than_the_solve_may_take_warns_only_when_planning() -> None:
-    with pytest.warns(UserWarning, match=r"timeout=30 s\).*solve may take up to about 100 s"):
+    with pytest.warns(UserWarning, match=r"timeout=30 s\).*solve may take up to about 120 s"):
         OSDPStrategy(timeout=30)
-    with pytest.warns(UserWarning, match=r"solver_time_limit=60 s the solve may take up to about 300 s"):
+    with pytest.warns(UserWarning, match=r"solver_time_limit=60 s the solve may take up to about 420 s"):
         OSDPStrategy(timeout=timedelta(minutes=4), solver_time_limit=60)
     import warnings
 
