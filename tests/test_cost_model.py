@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from lightning_osdp.cost_model import CostModelConfig, MemoryParts, predict
 from lightning_osdp.cost_model.units import ParamSpec, unit_bytes
@@ -260,3 +261,31 @@ def test_check_against_a_run_flags_a_miss_and_names_the_parts():
     miss = prediction.check(1000, prediction.step_seconds * 2)
     assert not miss.ok
     assert "forward a" in miss.message and "activations" in miss.message and "compute" in miss.message
+
+
+class _Hooked(torch.nn.Module):
+    """Blocks with adapters hooked into them (registered beside the blocks, run inside them), and a trainable
+    module that never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(2)))
+        self.adapters = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.unused = torch.nn.Linear(8, 8)
+        for block, adapter in zip(self.blocks, self.adapters, strict=True):
+            block.register_forward_hook(lambda _m, _i, out, adapter=adapter: out + adapter(out))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)).sum()
+
+
+def test_modules_that_ran_inside_a_sibling_are_walked_before_it_and_modules_never_run_last() -> None:
+    from lightning_osdp import profile
+    from lightning_osdp.cost_model.structure import ModelInfo
+
+    prof = profile(_Hooked(), torch.randn(4, 8))
+    info = ModelInfo(prof, 1, CostModelConfig().resolve(prof))
+    # The adapters' activations are alive through the blocks' backward: walked first (see structure.py's Note).
+    assert info.children[""] == ["adapters", "blocks", "head", "unused"]
+    assert info.order[-1] == "unused"

@@ -20,10 +20,12 @@ module does: an adapter attached to a backbone's block by a forward hook is regi
 (``model.adapters.0``) and runs inside it, between two of its blocks. Walked after the backbone (its first run is
 after the backbone's), its activations would be counted from the backbone's end in forward, and freed before the
 backbone's backward in backward, where they are alive until the backward reaches the block it ran after: a frozen
-GPT-2 with hooked adapters measured 4-8% above the walk. A child whose runs (its subtree's first runs, from the
-profile's ``forward_order``) all lie inside a sibling's is walked just before that sibling instead: its activations
-are then counted from before the sibling's forward to after its backward, a bound above what is alive at each
-instant (by the part of them made later, or freed earlier, than the walk says), never below.
+GPT-2 with hooked adapters measured 4-8% above the walk. The profile records each module's caller (the innermost
+module running when it was first called; for a container, its first descendant's): a child whose caller lies in a
+sibling's subtree is walked just before that sibling instead. Its activations are then counted from before the
+sibling's forward to after its backward, a bound above what is alive at each instant (by the part of them made
+later, or freed earlier, than the walk says), never below. A module called from several places (a rotary embedding
+the blocks share) is placed by its first call: before the blocks, its activations counted through all of them.
 
 Everything about one segment depends only on that segment's decisions; what passes between segments is a few
 buffers (a pending all-gather output, a prefetched one, a pending reduce-scatter input). That is what lets the
@@ -92,26 +94,31 @@ class ModelInfo:
         # A container whose own forward never runs (an ``nn.ModuleList`` of blocks) runs when its first descendant
         # does: without this, the blocks would sort after the head that runs after them.
         first_run: dict[str, int] = {}
-        last_run: dict[str, int] = {}  # the last first run in the subtree
+        caller: dict[str, str | None] = {}  # its own, or that of its descendant that ran first
         for name in reversed(list(profile.modules)):
             below = [c for c in profile.modules[name].children if c in first_run]
             first_run[name] = min([ran.get(name, big), *(first_run[c] for c in below)])
-            last_run[name] = max([ran.get(name, -1), *(last_run[c] for c in below)])
+            earliest = min(below, key=lambda c: first_run[c], default=None)
+            own = profile.modules[name].caller if name in ran else None
+            caller[name] = own if own is not None or earliest is None else caller[earliest]
 
-        def children(mp: ModuleProfile) -> list[str]:
+        def children(parent: str, mp: ModuleProfile) -> list[str]:
             # Children in the order they (or their first descendant) first ran; modules never seen running after
-            # those, as registered; a child that ran inside another's run, before it (see [Note: modules called
-            # from another subtree]).
+            # those, as registered; a child called from inside a sibling's subtree, just before that sibling (see
+            # [Note: modules called from another subtree]).
             kids = [c for c in mp.children if c in profile.modules]
 
             def key(name: str) -> tuple[int, int, int, int]:
-                first, last = first_run[name], last_run[name]
-                inside = [first_run[k] for k in kids if first_run[k] < first and last < last_run[k] < big]
-                return (min(inside), 0, first, registration[name]) if inside else (first, 1, first, registration[name])
+                first, by = first_run[name], caller[name]
+                if by is not None and by != parent:
+                    for sibling in kids:
+                        if sibling != name and (by == sibling or by.startswith(sibling + ".")):
+                            return (first_run[sibling], 0, first, registration[name])
+                return (first, 1, first, registration[name])
 
             return sorted(kids, key=key)
 
-        self.children: dict[str, list[str]] = {name: children(mp) for name, mp in profile.modules.items()}
+        self.children: dict[str, list[str]] = {name: children(name, mp) for name, mp in profile.modules.items()}
         self.order: list[str] = []
         stack = [ROOT]
         while stack:

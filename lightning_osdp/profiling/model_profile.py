@@ -43,7 +43,8 @@ _READS_VERSIONS = (1, 2, 3, 4, PROFILE_VERSION)
 # ``selective_forward_bytes``, ``selective_replay_seconds``). An earlier file reads with them ``None``: its plans
 # offer no selective recomputation, and predicting one made by hand says to profile again.
 # Version 5 adds ``gradient_accumulation`` (micro-batches per optimizer step) and
-# ``ModuleProfile.backward_transient_bytes``. An earlier file reads with 1 and ``None``, as its plans were made.
+# ``ModuleProfile.backward_transient_bytes`` and ``caller``. An earlier file reads with 1 and ``None``, as its plans
+# were made.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -98,6 +99,9 @@ class ModuleProfile:
             output and its own parameters' gradients (the gradients between its operators, a kernel's temporaries;
             ``lightning_osdp/profiling/tracer.py`` [Note: backward transients]). ``None``: not measured (a profile
             from before version 5); the cost model then counts the gradient of its input alone.
+        caller: the innermost module running when its forward was first called (``""``: the root, or the step's own
+            code), which is not its parent for a module run by another's hook; ``None``: it never ran, or a profile
+            from before version 5.
     """
 
     name: str
@@ -124,6 +128,7 @@ class ModuleProfile:
     selective_forward_bytes: int | None = None
     selective_replay_seconds: float | None = None
     backward_transient_bytes: int | None = None
+    caller: str | None = None
 
 
 @dataclass

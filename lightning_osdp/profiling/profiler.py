@@ -333,6 +333,7 @@ def _module_profiles(
             input_bytes=traced.input_bytes,
             input_saved_bytes=traced.input_saved_bytes,
             backward_transient_bytes=traced.backward_transient_bytes,
+            caller=traced.caller,
         )
     return profiles
 

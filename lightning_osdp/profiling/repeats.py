@@ -99,6 +99,10 @@ def _extrapolated(one: Any, two: Any, more: int) -> Any:
     return type(two)(value) if isinstance(two, int) else value
 
 
+# Fields of a module that are not figures to extrapolate.
+_NOT_NUMBERS = frozenset({"name", "type", "parent", "children", "caller"})
+
+
 def _numbers(a: Any, b: Any, more: int, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     return {
         f.name: _extrapolated(getattr(a, f.name), getattr(b, f.name), more)
@@ -121,6 +125,7 @@ def expand_profile(one: ModelProfile, two: ModelProfile, blocks: RepeatedBlocks)
                     name=_rename(name, blocks, index),
                     parent=_rename(profile.parent, blocks, index) if profile.parent is not None else None,
                     children=[_rename(c, blocks, index) for c in profile.children],
+                    caller=_rename(profile.caller, blocks, index) if profile.caller is not None else None,
                 )
                 modules[copy.name] = copy
         elif name == blocks.name:
@@ -130,7 +135,7 @@ def expand_profile(one: ModelProfile, two: ModelProfile, blocks: RepeatedBlocks)
         else:
             modules[name] = dataclasses.replace(
                 profile,
-                **_numbers(one.modules[name], profile, more, frozenset({"name", "type", "parent", "children"})),
+                **_numbers(one.modules[name], profile, more, _NOT_NUMBERS),
             )
 
     def in_second(name: str) -> bool:

@@ -295,6 +295,8 @@ class ModuleRecord:
     #: The largest live bytes any stretch of its backward nodes added over what was live when the stretch began,
     #: less its own parameters' gradients (recorded with ``memory``; see [Note: backward transients]).
     backward_transient_bytes: int = 0
+    #: The innermost module running when its forward was first called (``""``: the root, or the step's own code).
+    caller: str | None = None
     fwd_ops: OpTally = field(default_factory=OpTally)
     bwd_ops: OpTally = field(default_factory=OpTally)
     #: The arguments of the first call, tensors as :class:`TensorSpec` (recorded with ``memory``): what a block is
@@ -531,6 +533,7 @@ class ModuleTracer:
         if name not in self._started:  # first call this step
             self._started.add(name)
             self._record.forward_order.append(name)
+            self._record.modules[name].caller = self._stack[-1].name if self._stack else ""
             if self._memory:
                 self._record.modules[name].inputs = tree_map(_spec, (args, kwargs))
         start = self.clock()
