@@ -771,7 +771,7 @@ BN_KINDS = {
 
 
 @multiprocess
-@pytest.mark.parametrize("plan", ["bn_sharded", "bn_mixed"])
+@pytest.mark.parametrize("plan", ["bn_sharded", "bn_mixed", "bn_replicated"])
 @pytest.mark.parametrize("kind", list(BN_KINDS))
 def test_every_checkpoint_kind_holds_rank_0_buffers_and_resumes_bit_equal_in_parameters_and_buffers(
     batchnorm_runs: Any, kind: str, plan: str

@@ -57,6 +57,7 @@ PLANS: dict[str, dict[str, Any]] = {
     # BatchNormCNN's: every unit sharded (the root broadcasts rank 0's buffers), and DDP beside FSDP2 (DDP does).
     "bn_sharded": {"": "full_shard", "blocks.0": "full_shard", "blocks.1": "shard_grad_op", "blocks.2": "full_shard"},
     "bn_mixed": {"": "no_shard", "blocks.0": "full_shard", "blocks.1": "no_shard", "blocks.2": "shard_grad_op"},
+    "bn_replicated": {"": "no_shard", "blocks.0": "no_shard", "blocks.1": "no_shard", "blocks.2": "no_shard"},
 }
 #: Steps per epoch at two ranks: 64 samples, batch 4 per rank.
 EPOCH_STEPS_2 = 8
@@ -269,12 +270,12 @@ def world2(out: Path) -> None:
 
 
 def batchnorm(out: Path) -> None:
-    """BatchNormCNN under an all-sharded and a mixed plan: an uninterrupted run that saves a sharded checkpoint at the
-    end of epoch 0 (step 4), ``last.ckpt`` a link to it, and records each rank's buffers there; the same run stopped
-    there under ``state_dict_type="full"`` (one file); the sharded checkpoint consolidated; then the run resumed from
-    each of the four: ``BN_{plan}_from_{kind}``."""
+    """BatchNormCNN under an all-sharded, a mixed and an all-replicated plan: an uninterrupted run that saves a
+    sharded checkpoint at the end of epoch 0 (step 4), ``last.ckpt`` a link to it, and records each rank's buffers
+    there; the same run stopped there under ``state_dict_type="full"`` (one file); the sharded checkpoint
+    consolidated; then the run resumed from each of the four: ``BN_{plan}_from_{kind}``."""
     bn = "BatchNormCNN"
-    for plan in ("bn_sharded", "bn_mixed"):
+    for plan in ("bn_sharded", "bn_mixed", "bn_replicated"):
         name = f"BN_{plan}"
         fit(out, name, plan=plan, devices=2, save_epochs=True, save_last_link=True, record_at=(4,), model_class=bn)
         full = f"{name}_full_save"
