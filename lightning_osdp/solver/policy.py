@@ -230,34 +230,24 @@ class PlannerOptions:
     def plan(self, profile: ModelProfile, budget: int, topology: int | Topology) -> Plan:
         """The fastest plan for ``profile`` that fits ``budget`` less the headroom on ``topology``
         (:func:`plan_model` with these options)."""
-        return plan_model(
-            profile,
-            budget,
-            topology,
-            headroom=self.memory_headroom,
-            modes=self.modes,
-            max_split=self.max_split,
-            recompute=self.activation_checkpointing,
-            time_limit=self.solver_time_limit,
-            gap=self.solver_gap,
-            solver=self.solver,
-        )
+        return plan_model(profile, budget, topology, gap=self.solver_gap, **self._keywords())
 
     def smallest_budget(
         self, profile: ModelProfile, topology: int | Topology, *, settle_at: int | str | None = None
     ) -> int:
         """:func:`smallest_memory_budget` with these options (``settle_at`` as there)."""
-        return smallest_memory_budget(
-            profile,
-            topology,
-            headroom=self.memory_headroom,
-            modes=self.modes,
-            max_split=self.max_split,
-            recompute=self.activation_checkpointing,
-            time_limit=self.solver_time_limit,
-            solver=self.solver,
-            settle_at=settle_at,
-        )
+        return smallest_memory_budget(profile, topology, settle_at=settle_at, **self._keywords())
+
+    def _keywords(self) -> dict[str, Any]:
+        """These options in the solver's spelling: the one place the two meet."""
+        return {
+            "headroom": self.memory_headroom,
+            "modes": self.modes,
+            "max_split": self.max_split,
+            "recompute": self.activation_checkpointing,
+            "time_limit": self.solver_time_limit,
+            "solver": self.solver,
+        }
 
     def fits(self, profile: ModelProfile, plan: Plan, budget: int, topology: Topology) -> bool:
         """Whether ``plan``'s predicted peak on ``profile`` is within the budget the planner plans against."""
