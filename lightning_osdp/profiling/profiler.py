@@ -196,7 +196,9 @@ class _Session:
         from a proxy when the step cannot run on fake tensors) the first time each steps."""
         new = [o for o in optimizers if self._counting and o not in self._counted]
         if new and not self._counted and isinstance(self._meter, LiveStorageTracker):
-            self._stateless_peak = self._meter.peak  # the forward and backward, before the first state is allocated
+            # The forward and backward, before the first state is allocated. (CUDA's allocator meter holds its peak
+            # only as of its last mark: there the traced step's own peak stands, the first step's.)
+            self._stateless_peak = self._meter.peak
         self._counted.extend(new)
         unknown = state_from_rule(new, self.work, self.state) if new else []
         for optimizer in optimizers:
