@@ -262,6 +262,9 @@ def test_causal_attention_is_charged_the_work_its_fused_kernel_does() -> None:
     share = causal_fraction(64, 64)
     assert share == pytest.approx(65 / 128)
     assert causal.fwd_flops == round(full.fwd_flops * share)  # type: ignore[attr-defined]
+    # What the kernel skips is recorded beside, so that an MFU may count causal attention in full (PaLM's convention).
+    assert causal.fwd_flops + causal.fwd_causal_skipped_flops == full.fwd_flops  # type: ignore[attr-defined]
+    assert full.fwd_causal_skipped_flops == 0  # type: ignore[attr-defined]
     kernels = [k for k in causal.fwd_ops.kernels if k.kind == "attention"]  # type: ignore[attr-defined]
     assert [(k.seq_len, k.head_dim, k.causal) for k in kernels] == [(64, 16, True)]
 

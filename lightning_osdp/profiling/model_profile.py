@@ -23,8 +23,8 @@ __all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "LossMemory", "
 PROFILE_FORMAT = "lightning_osdp.profile"
 #: ``version`` field of a profile file this release writes; it reads this one and every earlier one (see
 #: [Note: profile versions]).
-PROFILE_VERSION = 5
-_READS_VERSIONS = (1, 2, 3, 4, PROFILE_VERSION)
+PROFILE_VERSION = 6
+_READS_VERSIONS = (1, 2, 3, 4, 5, PROFILE_VERSION)
 
 # [Note: profile versions]
 # Version 1 kept the figures later stages read (the forward order, the copy bandwidth, the estimated mode's rates,
@@ -45,6 +45,8 @@ _READS_VERSIONS = (1, 2, 3, 4, PROFILE_VERSION)
 # Version 5 adds ``gradient_accumulation`` (micro-batches per optimizer step) and
 # ``ModuleProfile.backward_transient_bytes`` and ``caller``. An earlier file reads with 1 and ``None``, as its plans
 # were made.
+# Version 6 adds ``ModuleProfile.fwd_causal_skipped_flops`` (the forward FLOPs causal attention skips, for an MFU that
+# counts it in full). An earlier file reads with 0: both MFU conventions then read its FLOPs as traced.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -68,7 +70,12 @@ class ModuleProfile:
         output_bytes: bytes of the module's forward output.
         fwd_seconds: own forward compute time (inclusive time minus the children's inclusive times).
         bwd_seconds: own backward compute time, likewise.
-        fwd_flops: own forward FLOPs (``torch.utils.flop_counter``), for the estimated mode and sanity checks.
+        fwd_flops: own forward FLOPs (``torch.utils.flop_counter``), for the estimated mode and sanity checks;
+            causal attention at the scores its fused kernels compute (``lightning_osdp/profiling/tracer.py``
+            [Note: causal attention]).
+        fwd_causal_skipped_flops: the forward FLOPs of causal attention's scores above the diagonal, which its
+            kernels skip and ``fwd_flops`` leaves out: ``fwd_flops`` plus these count causal attention in full, as
+            PaLM's and torchtitan's MFU do. ``0`` in a profile from before version 6.
         buffer_bytes: bytes of the module's own buffers (BatchNorm statistics, registered masks); FSDP2 never
             shards buffers, so every rank holds them whatever the mode.
         optim_scalar_bytes: optimizer state that does not scale with the parameter (Adam's 0-dim ``step``, 4 bytes
@@ -119,6 +126,7 @@ class ModuleProfile:
     fwd_seconds: float = 0.0
     bwd_seconds: float = 0.0
     fwd_flops: int = 0
+    fwd_causal_skipped_flops: int = 0
     buffer_bytes: int = 0
     optim_scalar_bytes: int = 0
     input_bytes: int | None = None

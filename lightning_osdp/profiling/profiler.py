@@ -330,6 +330,7 @@ def _module_profiles(
             fwd_seconds=fwd,
             bwd_seconds=bwd,
             fwd_flops=traced.fwd_flops,
+            fwd_causal_skipped_flops=traced.fwd_causal_skipped_flops,
             buffer_bytes=figures.buffer_bytes,
             optim_scalar_bytes=session.state.scalar_bytes.get(name, 0),
             input_bytes=traced.input_bytes,

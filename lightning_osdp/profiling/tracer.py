@@ -62,7 +62,9 @@ memory-efficient kernel with its causal mask type stop each query block's loop a
 ``s_q x s_k`` attention does the work of ``sum_i min(i + 1, s_k)`` of its ``s_q * s_k`` scores: about half
 (FlashAttention's own benchmarks count causal attention at half the FLOPs, ``benchmarks/benchmark_flash_attention.py``).
 Every attention operator that takes ``is_causal`` (or the memory-efficient kernel's ``custom_mask_type``) is charged
-that fraction of the counter's formula, forward and backward. An explicit causal ``attn_mask`` is charged in full:
+that fraction of the counter's formula, forward and backward; the forward FLOPs it skips are recorded beside
+(``ModuleProfile.fwd_causal_skipped_flops``), so that an MFU may count causal attention in full, as PaLM's and
+torchtitan's do. An explicit causal ``attn_mask`` is charged in full:
 flash attention takes no mask, so SDPA runs a masked call on the memory-efficient kernel (an additive bias over
 every block) or the math path, both of which compute every score whatever the mask holds.
 
@@ -288,6 +290,8 @@ class ModuleRecord:
     bwd_seconds: float = 0.0
     fwd_flops: int = 0
     bwd_flops: int = 0
+    #: The forward FLOPs of causal attention's scores above the diagonal, which ``fwd_flops`` leaves out.
+    fwd_causal_skipped_flops: int = 0
     activation_bytes: int = 0
     output_bytes: int = 0
     input_bytes: int = 0
@@ -368,14 +372,16 @@ class _OpRecorder(TorchDispatchMode):
                 self.tracer._unsized += 1
             flops = flops or 0
             attention = _attention_shape(func, packet, args, kwargs)
+            skipped = 0
             if attention is None:
                 kernel = ComputeKernel("matmul", flops, _tensor_bytes(args, kwargs, out))
             else:
                 seq_q, seq_k, head_dim, causal = attention
                 if causal:  # [Note: causal attention]
-                    flops = round(flops * causal_fraction(seq_q, seq_k))
+                    full, flops = flops, round(flops * causal_fraction(seq_q, seq_k))
+                    skipped = full - flops
                 kernel = ComputeKernel("attention", flops, _tensor_bytes(args, kwargs, out), seq_k, head_dim, causal)
-            self.tracer._record_op(flops, 0, kernel)
+            self.tracer._record_op(flops, 0, kernel, causal_skipped=skipped)
         else:
             self.tracer._record_op(0, _traffic(func, packet, args, kwargs, out))
         return out
@@ -633,7 +639,9 @@ class ModuleTracer:
         return t
 
     # ---------------------------------------------------------------- operators
-    def _record_op(self, flops: int, traffic: int, kernel: ComputeKernel | None = None) -> None:
+    def _record_op(
+        self, flops: int, traffic: int, kernel: ComputeKernel | None = None, *, causal_skipped: int = 0
+    ) -> None:
         record = self._record
         if record is None:
             return
@@ -646,6 +654,7 @@ class ModuleTracer:
         else:
             owner_record = record.of(self._stack[-1].name if self._stack else None)
             owner_record.fwd_flops += flops
+            owner_record.fwd_causal_skipped_flops += causal_skipped
             tally = owner_record.fwd_ops
         tally.count(flops, traffic, kernel)
 
