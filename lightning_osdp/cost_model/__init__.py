@@ -53,6 +53,9 @@ The step is walked as a timeline of instants (``timeline.py``); the predicted pe
    callback, after the whole backward.
 5. **Optimizer step**: temporaries of the largest local parameter (single-tensor Adam: 2x).
 
+:func:`memory_timeline` (``Prediction.memory_timeline``) lists these instants in order, by category and phase
+(forward, loss, backward, optimizer): what ``osdp plan --plot`` draws.
+
 Under FSDP2's mixed precision (a profile whose ``mixed_precision`` is set, ``OSDPStrategy(mixed_precision=...)``),
 sharded units gather, all-gather and compute in the policy's ``param_dtype`` and reduce-scatter in its
 ``reduce_dtype``, while shards, sharded gradients and optimizer state keep the stored dtype; replicated units keep
@@ -103,17 +106,26 @@ development CPU, and [Note: the target's figures] where a GPU's come from.
 
 from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.cost_model.parts import CATEGORIES, MemoryParts
-from lightning_osdp.cost_model.prediction import Prediction, PredictionCheck, UnitPrediction, predict
+from lightning_osdp.cost_model.prediction import (
+    MemoryInstant,
+    Prediction,
+    PredictionCheck,
+    UnitPrediction,
+    memory_timeline,
+    predict,
+)
 from lightning_osdp.cost_model.units import UnitBytes, UnitTime
 
 __all__ = [
     "CATEGORIES",
     "CostModelConfig",
+    "MemoryInstant",
     "MemoryParts",
     "Prediction",
     "PredictionCheck",
     "UnitBytes",
     "UnitPrediction",
     "UnitTime",
+    "memory_timeline",
     "predict",
 ]

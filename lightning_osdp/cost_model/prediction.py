@@ -15,6 +15,7 @@ from lightning_osdp.cost_model.timeline import (
     SegmentChoice,
     TimelineInput,
     build_timeline,
+    phase_of,
     simulate_free,
     simulate_segment,
 )
@@ -24,7 +25,7 @@ from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solve_report import PredictionSummary
 from lightning_osdp.topology import Topology
 
-__all__ = ["Prediction", "PredictionCheck", "UnitPrediction", "predict"]
+__all__ = ["MemoryInstant", "Prediction", "PredictionCheck", "UnitPrediction", "memory_timeline", "predict"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,24 @@ class UnitPrediction:
     kept: MemoryParts
     gathered: int
     time: UnitTime
+
+
+@dataclass(frozen=True)
+class MemoryInstant:
+    """One instant of the step's memory as the cost model walks it (``timeline.py``); the predicted peak is the
+    largest.
+
+    Attributes:
+        position: its place in the step, counted in instants from the step's start (0).
+        label: what happens then (``"forward model.blocks.3"``, ``"loss"``, ``"optimizer step"``...).
+        phase: ``"forward"``, ``"loss"``, ``"backward"`` or ``"optimizer"`` (``timeline.PHASES``).
+        parts: the bytes live on the device then, by category.
+    """
+
+    position: int
+    label: str
+    phase: str
+    parts: MemoryParts
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,8 @@ class Prediction:
         exposed_seconds: the part of ``communication_seconds`` not hidden behind compute.
         units: per-unit figures.
         world_size: ranks.
-        instants: every modelled instant ``(label, bytes)``, in step order (for plots and debugging).
+        instants: every modelled instant ``(label, bytes)``, in step order (for debugging; by category:
+            :meth:`memory_timeline`).
         copies_seconds: FSDP2's and DDP's memory copies that are not hidden (all units).
         optimizer_seconds: the optimizer step (all units).
         overhead_seconds: the units' hooks and split calls that are not hidden.
@@ -110,6 +130,15 @@ class Prediction:
     topology: Topology | None = None
     unoverlapped_seconds: float = 0.0
     contention_seconds: float = 0.0
+    #: ``instants``' bytes by category (:meth:`memory_timeline`)
+    instant_parts: list[MemoryParts] = field(default_factory=list, repr=False)
+
+    def memory_timeline(self) -> list[MemoryInstant]:
+        """Every instant of the step in order, by category and phase: the instants the peak is the largest of."""
+        return [
+            MemoryInstant(i, label, phase_of(label), parts)
+            for i, ((label, _), parts) in enumerate(zip(self.instants, self.instant_parts, strict=True))
+        ]
 
     @property
     def step_parts(self) -> dict[str, float]:
@@ -248,6 +277,7 @@ class NumericBackend:
         self.peak = ZERO
         self.peak_at = ""
         self.instants: list[tuple[str, int]] = []
+        self.instant_parts: list[MemoryParts] = []
         self.step_seconds = 0.0
 
     def const(self, parts: MemoryParts) -> MemoryParts:
@@ -265,6 +295,7 @@ class NumericBackend:
 
     def checkpoint(self, label: str, value: MemoryParts) -> None:
         self.instants.append((label, value.total))
+        self.instant_parts.append(value)
         if value.total > self.peak.total or not self.instants[:-1]:
             self.peak, self.peak_at = value, label
 
@@ -394,6 +425,7 @@ def _predict(profile: ModelProfile, plan: Plan, world_size: int | Topology, conf
         units=_unit_predictions(units),
         world_size=info.world_size,
         instants=be.instants,
+        instant_parts=be.instant_parts,
         copies_seconds=sum(t.copies for t in times),
         optimizer_seconds=sum(t.optimizer for t in times),
         overhead_seconds=sum(t.overhead for t in times),
@@ -402,3 +434,16 @@ def _predict(profile: ModelProfile, plan: Plan, world_size: int | Topology, conf
         unoverlapped_seconds=sum(t.unoverlapped for t in times),
         contention_seconds=sum(t.contention for t in times),
     )
+
+
+def memory_timeline(
+    profile: ModelProfile,
+    plan: Plan,
+    world_size: int | Topology | None = None,
+    *,
+    config: CostModelConfig | None = None,
+) -> list[MemoryInstant]:
+    """``plan``'s memory over one training step on rank 0, instant by instant and by category: the walk
+    :func:`predict` takes the peak of (the arguments are :func:`predict`'s), so its largest instant is the predicted
+    peak."""
+    return predict(profile, plan, world_size, config=config).memory_timeline()

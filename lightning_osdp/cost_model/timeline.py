@@ -100,6 +100,7 @@ from lightning_osdp.cost_model.parts import ZERO, MemoryParts
 from lightning_osdp.cost_model.structure import FreeRun, LocalUnit, Node, OutsideModules, Segment
 
 __all__ = [
+    "PHASES",
     "Backend",
     "FreeCosts",
     "GlobalChoice",
@@ -107,6 +108,7 @@ __all__ = [
     "SegmentCosts",
     "SegmentSimulator",
     "build_timeline",
+    "phase_of",
     "simulate_free",
     "simulate_segment",
 ]
@@ -642,6 +644,32 @@ def build_timeline(spec: TimelineInput[V], be: Backend[V]) -> None:
     step.final_callback()
     step.optimizer_step()
     step.step_time()
+
+
+#: The phases of the step, in order, that :func:`phase_of` places the walk's instants in.
+PHASES: tuple[str, ...] = ("forward", "loss", "backward", "optimizer")
+
+#: The first word(s) of each instant's label (:class:`_StepWalk` writes them) and its phase. The step's start and DDP's
+#: bucket rebuild are the forward's first instants; the backward starts with the root's pre-backward gather, before
+#: the loss's backward (``loss backward``), and ends with FSDP2's final callback (``final reduce``).
+_PHASE_OF_LABEL: tuple[tuple[str, str], ...] = (
+    ("step start", "forward"),
+    ("second step: DDP rebuilds", "forward"),
+    ("forward ", "forward"),
+    ("loss backward", "backward"),
+    ("loss", "loss"),
+    ("backward ", "backward"),
+    ("final reduce ", "backward"),
+    ("optimizer step", "optimizer"),
+)
+
+
+def phase_of(label: str) -> str:
+    """The phase (one of :data:`PHASES`) of an instant the walk labelled ``label``."""
+    for prefix, phase in _PHASE_OF_LABEL:
+        if label.startswith(prefix):
+            return phase
+    raise ValueError(f"no phase for the timeline's instant {label!r}: add its label to timeline._PHASE_OF_LABEL")
 
 
 class _StepWalk(Generic[V]):
