@@ -46,6 +46,7 @@ from lightning_osdp.cli.model import (
 )
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
+from lightning_osdp.cli.reserved_memory import plan_memory_line
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan, Recomputation
@@ -571,6 +572,8 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
     out.print("")
     osdp = rows[0]
     out.print(format_plan(osdp.plan, osdp.prediction, budget=run.budget, rich_markup=out.rich))
+    if run.figures.device.startswith("cuda"):
+        out.print(plan_memory_line(osdp.prediction, osdp.plan, run.topology, run.figures.memory_bytes))
     out.print("")
     headers = [
         "strategy",
