@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
-from lightning_osdp import options, preemption
+from lightning_osdp import migration, options, preemption
 from lightning_osdp._compat import (
     DDPForwardRedirection,
     fit_ckpt_path,
@@ -124,6 +124,8 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         pretrained_prefix: the prefix of the model's names the checkpoint's keys are read under; ``None`` finds it.
         pretrained_cast: cast pretrained weights of another dtype of the same kind (bf16 into fp32) to their
             parameters' dtypes (``False``: a dtype other than the parameter's is an error, found before profiling).
+        **kwargs: none is accepted: an argument of Lightning's FSDP, ModelParallel, DeepSpeed or DDP strategy raises
+            ``TypeError`` naming what OSDP does instead (:mod:`lightning_osdp.migration`, ``docs/migrating.md``).
 
     Every argument is checked at construction (:mod:`lightning_osdp.options`): a wrong type raises ``TypeError``, a
     wrong value ``ValueError`` (``PlanError`` for a plan), naming the argument and what it accepts.
@@ -160,7 +162,10 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
         pretrained_cast: bool = False,
         solver: str = "highs",
         solver_gap: float = DEFAULT_GAP,
+        **kwargs: Any,
     ) -> None:
+        if kwargs:  # another strategy's arguments, carried over: one error naming what OSDP does instead of each
+            migration.refuse_foreign_arguments(kwargs, "OSDPStrategy", accepted=migration.arguments_of(OSDPStrategy))
         # Before the base class assigns `precision_plugin`, whose setter checks the pair.
         self._mp_policy = options.check_mixed_precision(mixed_precision)
         self._planner = PlannerOptions.checked(
