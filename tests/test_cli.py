@@ -52,7 +52,12 @@ def osdp(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, captured.out, captured.err
 
 
-def comparison(stdout: str) -> dict[str, list[str]]:
+#: The comparison's rows on one node; on several, HSDP's three join them.
+ONE_NODE_ROWS = {"OSDP", "DDP", "ZeRO-2", "FSDP", "DDP+SAC", "ZeRO-2+SAC", "FSDP+SAC", "DDP+AC", "ZeRO-2+AC", "FSDP+AC"}
+SEVERAL_NODES_ROWS = ONE_NODE_ROWS | {"HSDP", "HSDP+SAC", "HSDP+AC"}
+
+
+def comparison(stdout: str, expected: set[str] = ONE_NODE_ROWS) -> dict[str, dict[str, str]]:
     """The rows of ``osdp plan``'s strategy comparison, by strategy name (plain-text columns)."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
@@ -63,19 +68,22 @@ def comparison(stdout: str) -> dict[str, list[str]]:
         if len(cells) != len(headers):
             break
         rows[cells[0]] = cells
-    assert set(rows) == {
-        "OSDP",
-        "DDP",
-        "ZeRO-2",
-        "FSDP",
-        "DDP+SAC",
-        "ZeRO-2+SAC",
-        "FSDP+SAC",
-        "DDP+AC",
-        "ZeRO-2+AC",
-        "FSDP+AC",
-    }, rows
-    return {name: dict(zip(headers, cells, strict=True)) for name, cells in rows.items()}  # type: ignore[misc]
+    assert set(rows) == expected, rows
+    return {name: dict(zip(headers, cells, strict=True)) for name, cells in rows.items()}
+
+
+def step_parts(stdout: str) -> dict[str, dict[str, str]]:
+    """The rows of ``osdp plan``'s step-parts table, by strategy name."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Step parts per device"))
+    headers = re.split(r"\s{2,}", lines[start + 1].strip())
+    rows = {}
+    for line in lines[start + 3 :]:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(headers):
+            break
+        rows[cells[0]] = dict(zip(headers, cells, strict=True))
+    return rows
 
 
 def gib(text: str) -> float:
@@ -139,6 +147,14 @@ def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp
     # OSDP is never predicted slower than a baseline that fits (same cost model, larger choice).
     step = {name: float(row["step ms"].replace(",", "")) for name, row in rows.items()}
     assert all(step["OSDP"] <= step[name] * 1.001 for name, row in rows.items() if row["fits"] == "yes")
+    # Tokens/s per GPU beside samples/s over the 8 ranks: windows of 1,025 ids train on 1,024 tokens each.
+    assert "1,024 tokens trained per sample" in out and "4,096 tokens per device and step" in out
+    for name, row in rows.items():
+        if row["fits"] == "yes":
+            samples = float(row["samples/s"].replace(",", ""))
+            assert float(row["tokens/s/GPU"].replace(",", "")) == pytest.approx(samples * 1024 / 8, abs=1), name
+            at_max = float(row["samples/s @max"].replace(",", ""))
+            assert float(row["tokens/s/GPU @max"].replace(",", "")) == pytest.approx(at_max * 1024 / 8, abs=1), name
     assert "\x1b[" not in out, "captured output is not a terminal: plain text"
 
 
@@ -336,6 +352,71 @@ def test_plan_takes_activation_checkpointing_from_the_config_and_the_flag(
     )
     code, _, err = osdp(capsys, *argv, "--config", config)
     assert code == 2 and "activation_checkpointing='sometimes'" in err
+
+
+def test_plan_on_several_nodes_reads_in_the_units_published_runs_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    """HSDP+AC and HSDP+SAC beside FSDP's rows; tokens/s per GPU beside samples/s; the MFU's convention named (PaLM's,
+    causal attention in full) and the other on request; identical blocks folded in the plan table, every unit on
+    request; one figure for compute."""
+    init = {"width": 64, "depth": 6, "heads": 4, "context_length": 64, "vocab_size": 256}
+    argv = ["plan", "--model", f"{GPT_FILE}:GPTModule", "--init-args", json.dumps(init), "--nodes", 2]
+    argv += ["--gpus-per-node", 4, "--hardware", "h100-sxm", "--precision", "bf16-fsdp", "--batch-size", 2]
+    code, out, err = osdp(capsys, *argv, "--no-search")
+    assert code == 0, err
+    rows = comparison(out, SEVERAL_NODES_ROWS)
+    peak = {name: gib(row["peak/device"]) for name, row in rows.items()}
+    step = {name: float(row["step ms"].replace(",", "")) for name, row in rows.items()}
+    # Recomputation trades memory for time under hybrid sharding as under full sharding.
+    assert peak["HSDP+AC"] < peak["HSDP+SAC"] < peak["HSDP"] and step["HSDP"] < step["HSDP+SAC"] < step["HSDP+AC"]
+    assert rows["HSDP+AC"]["modes"] == "all hybrid_shard"  # the name says the recomputation, once
+    assert "+recompute" not in out and "+selective" not in out
+    # Windows of 65 ids train on 64 tokens: tokens/s per GPU is samples/s (over the 8 ranks) x 64 / 8.
+    assert "64 tokens trained per sample" in out and "128 tokens per device and step" in out
+    for name, row in rows.items():
+        samples = float(row["samples/s"].replace(",", ""))
+        assert float(row["tokens/s/GPU"].replace(",", "")) == pytest.approx(samples * 64 / 8, abs=1), name
+    # The MFU is PaLM's by default, named in the title; the note gives OSDP's in the other convention.
+    assert "(ms; MFU: PaLM convention, causal attention counted in full)" in out
+    palm = {name: float(row["MFU"].rstrip("%")) for name, row in step_parts(out).items()}
+    other = re.search(r"OSDP's in the other convention \(--mfu-convention flash-attention\): ([0-9.]+)%", out)
+    assert other is not None
+    code, flash_out, err = osdp(capsys, *argv, "--no-search", "--mfu-convention", "flash-attention", "--all-units")
+    assert code == 0, err
+    assert "(ms; MFU: FlashAttention convention, causal attention at the scores computed)" in flash_out
+    flash = {name: float(row["MFU"].rstrip("%")) for name, row in step_parts(flash_out).items()}
+    assert flash["OSDP"] == pytest.approx(float(other.group(1)), abs=0.05)
+    # Causal attention's skipped scores count in PaLM's convention only (a model this small rounds both near 0%).
+    assert all(palm[name] >= flash[name] for name in palm)
+    # The six identical blocks on one line of the plan table; every one of them with --all-units.
+    folded = [line.split() for line in out.splitlines() if line.startswith("model.blocks.")]
+    assert len(folded) < 6 and any(re.fullmatch(r"model\.blocks\.\d+-\d+", cells[0]) for cells in folded)
+    assert sum(int(cells[1][1:]) if cells[1].startswith("x") else 1 for cells in folded) == 6
+    every = [line.split()[0] for line in flash_out.splitlines() if line.startswith("model.blocks.")]
+    assert every == [f"model.blocks.{i}" for i in range(6)]
+    # One compute figure: the plan's summary gives the step-parts table's.
+    summary = re.search(r"predicted step [0-9.,]+ ms \(compute ([0-9.]+),", out)
+    assert summary is not None and float(summary.group(1)) == pytest.approx(
+        float(step_parts(out)["OSDP"]["compute"].replace(",", "")), abs=0.05
+    )
+
+
+def test_the_mfu_counts_causal_attention_in_full_or_at_its_work_by_convention() -> None:
+    from lightning_osdp.cli import parsers
+    from lightning_osdp.cli.plan import MFU_CONVENTIONS, model_flops_utilization
+    from lightning_osdp.profiling.model_profile import ModelProfile, ModuleProfile
+
+    assert tuple(MFU_CONVENTIONS) == parsers.MFU_CONVENTIONS  # written out in the parser, which imports no torch
+    blocks = {
+        "": ModuleProfile("", "Model", None, fwd_flops=10),
+        "attention": ModuleProfile("attention", "Attention", "", fwd_flops=50, fwd_causal_skipped_flops=40),
+    }
+    profile = ModelProfile(blocks)
+    # Three times the forward's FLOPs (forward and backward) per second over the peak.
+    assert model_flops_utilization(profile, 2.0, 100.0) == pytest.approx(3 * 100 / 2 / 100)
+    assert model_flops_utilization(profile, 2.0, 100.0, "flash-attention") == pytest.approx(3 * 60 / 2 / 100)
+    assert model_flops_utilization(profile, 2.0, 0.0) is None  # no data-sheet peak
+    with pytest.raises(ValueError, match="unknown MFU convention 'hfu'"):
+        model_flops_utilization(profile, 2.0, 100.0, "hfu")
 
 
 def test_show_a_plan_file_with_its_profile(capsys: pytest.CaptureFixture[str], small_plan: Path) -> None:

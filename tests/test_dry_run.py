@@ -198,7 +198,7 @@ def test_the_readme_dry_run_adds_little_beyond_compute_and_communication(capsys:
     out = capsys.readouterr().out
     assert code == 0
     lines = out.splitlines()
-    start = lines.index("Step parts per device at batch 4 (ms)")
+    start = next(i for i, line in enumerate(lines) if line.startswith("Step parts per device at batch 4 (ms; MFU: "))
     header = lines[start + 1].split()
     assert header[:3] == ["strategy", "compute", "recompute"]
     rows = {}
@@ -401,7 +401,7 @@ def test_osdp_plan_prints_every_term_of_the_step_and_the_network_figures_it_used
     assert main([*argv, "--no-search"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    parts = lines.index("Step parts per device at batch 2 (ms)")
+    parts = lines.index("Step parts per device at batch 2 (ms; MFU: PaLM convention, causal attention counted in full)")
     assert lines[parts + 1].split() == [
         "strategy", "compute", "recompute", "exposed", "comm", "contention", "copies", "optimizer", "overhead", "step",
         "MFU",

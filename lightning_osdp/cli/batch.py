@@ -41,12 +41,15 @@ class BatchSource:
         step: ``profile(step=...)``: ``"training_step"`` or ``"forward"`` (see ``lightning_osdp.profiling.step``).
         description: where the batch comes from, for the report.
         default_size: the batch size the spec itself gives, if any.
+        tokens_per_sample: the tokens a sample trains on, where the batch says (the token windows': their
+            ``context_length``, one less than the window, whose last id is only a target); ``None``: unknown.
     """
 
     make: Callable[[int], Any]
     step: str
     description: str
     default_size: int | None = None
+    tokens_per_sample: int | None = None
 
 
 def parse_shape_spec(spec: str) -> list[tuple[torch.dtype, tuple[int, ...]]]:
@@ -120,7 +123,9 @@ def batch_source(spec: str | None, model: nn.Module) -> BatchSource:
         return BatchSource(
             lambda b: torch.zeros((b, context + 1), dtype=torch.int64, device="meta"),
             "training_step",
-            f"token windows of context_length + 1 = {context + 1} tokens, from the model's hyper-parameters",
+            f"windows of context_length + 1 = {context + 1} token ids (inputs and next-token targets: {context:,} "
+            "tokens trained per sample), from the model's hyper-parameters",
+            tokens_per_sample=context,
         )
     raise CLIError(
         f"cannot tell what a batch of {type(model).__name__} looks like: pass --batch DTYPE:SHAPE (e.g. "

@@ -24,6 +24,7 @@ DEFAULT_GAP = 1e-3
 
 __all__ = [
     "COMMANDS",
+    "MFU_CONVENTIONS",
     "MODE_NAMES",
     "OPTIMIZERS",
     "PRECISIONS",
@@ -56,6 +57,9 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
     "sgd": ("SGD", {"lr": 0.1}),
     "sgd-momentum": ("SGD", {"lr": 0.1, "momentum": 0.9}),
 }
+
+#: ``osdp plan --mfu-convention`` names, the default first (``lightning_osdp.cli.plan.model_flops_utilization``).
+MFU_CONVENTIONS: tuple[str, ...] = ("palm", "flash-attention")
 
 #: ``lightning_osdp.plan.MODES``, spelled out here because that module imports torch (a test checks they agree).
 MODE_NAMES: tuple[str, ...] = ("no_shard", "shard_grad_op", "full_shard", "hybrid_shard")
@@ -106,6 +110,13 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "context_length + 1",
     )
     model.add_argument("--batch-size", type=int, metavar="N", help="per-device batch size")
+    model.add_argument(
+        "--tokens-per-sample",
+        type=int,
+        metavar="T",
+        help="tokens a sample trains on, for the tokens/s per GPU columns (default: the token windows' "
+        "context_length; none for a --batch or an example_input_array)",
+    )
     model.add_argument(
         "--precision",
         choices=sorted(PRECISIONS),
@@ -202,6 +213,20 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", metavar="PLAN.json", help="save the OSDP plan here (its profile beside it)")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
+    report = parser.add_argument_group("report")
+    report.add_argument(
+        "--mfu-convention",
+        choices=MFU_CONVENTIONS,
+        default=MFU_CONVENTIONS[0],
+        help="palm: causal attention counted in full, as PaLM's appendix B, torchtitan and docs/benchmarks.md "
+        "count it; flash-attention: at the half of the scores its kernels compute, as FlashAttention's "
+        "benchmarks count it (default: %(default)s)",
+    )
+    report.add_argument(
+        "--all-units",
+        action="store_true",
+        help="list every unit in the plan table (default: runs of identical blocks folded into one line)",
+    )
     return parser
 
 

@@ -46,7 +46,6 @@ from lightning_osdp.cli.model import (
 )
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
-from lightning_osdp.cli.reserved_memory import plan_memory_line
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan, Recomputation
@@ -56,12 +55,13 @@ from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, PlannerOptions, planned_budget
 from lightning_osdp.topology import Topology, TopologyError
 
-__all__ = ["BASELINES", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
+__all__ = ["BASELINES", "MFU_CONVENTIONS", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
 
 #: The uniform strategies compared with OSDP: (name, mode, how every block recomputes). "+AC": activation checkpointing
-#: of every block, as Lightning users configure it by hand; "+SAC": selective (per-operator) checkpointing of every
-#: block, torchtitan's setting (``recompute="selective"``). HSDP only where its shard groups are not the world (on one
-#: node of one group it is FSDP).
+#: of every block (``recompute="full"``), as Lightning users configure it by hand; "+SAC": selective (per-operator)
+#: activation checkpointing of every block (``recompute="selective"``), torchtitan's setting. HSDP only where its shard
+#: groups are not the world (on one node of one group it is FSDP); HSDP+AC and HSDP+SAC are the published
+#: several-node settings of foundation-model-stack's and torchtitan's FSDP runs.
 BASELINES: tuple[tuple[str, str, Recomputation], ...] = (
     ("DDP", "no_shard", "none"),
     ("ZeRO-2", "shard_grad_op", "none"),
@@ -70,10 +70,25 @@ BASELINES: tuple[tuple[str, str, Recomputation], ...] = (
     ("DDP+SAC", "no_shard", "selective"),
     ("ZeRO-2+SAC", "shard_grad_op", "selective"),
     ("FSDP+SAC", "full_shard", "selective"),
+    ("HSDP+SAC", "hybrid_shard", "selective"),
     ("DDP+AC", "no_shard", "full"),
     ("ZeRO-2+AC", "shard_grad_op", "full"),
     ("FSDP+AC", "full_shard", "full"),
+    ("HSDP+AC", "hybrid_shard", "full"),
 )
+
+#: ``--mfu-convention``: each convention's name in the report and what its legend adds (the default first, as
+#: ``parsers.MFU_CONVENTIONS`` spells them). See :func:`model_flops_utilization`.
+MFU_CONVENTIONS: dict[str, tuple[str, str]] = {
+    "palm": (
+        "PaLM convention, causal attention counted in full",
+        "as PaLM's appendix B, torchtitan and docs/benchmarks.md count it",
+    ),
+    "flash-attention": (
+        "FlashAttention convention, causal attention at the scores computed",
+        "about half of them, as FlashAttention's benchmarks count it",
+    ),
+}
 
 
 @dataclass
@@ -97,6 +112,9 @@ class DryRun:
     #: the planner's options, as OSDPStrategy holds them (``--modes``, ``--max-split``, ``--activation-checkpointing``,
     #: ``--solver-time-limit``, ``--memory-headroom``, ``--solver``, ``--solver-gap``)
     planner: PlannerOptions
+    #: tokens a sample trains on (``--tokens-per-sample``, else the batch's: a token window's ``context_length``);
+    #: ``None``: unknown, no tokens/s columns
+    tokens_per_sample: int | None = None
     #: wall seconds of the stages, for the closing note (profiling, the OSDP solve, the batch search)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -111,8 +129,8 @@ class StrategyFigures:
     """One row of the comparison.
 
     Attributes:
-        name: ``"OSDP"`` or a baseline's (:data:`BASELINES`: ``"DDP"``, ``"ZeRO-2"``, ``"FSDP"``, each also with
-            ``"+AC"``, every block recomputed, and ``"+SAC"``, every block recomputed selectively).
+        name: ``"OSDP"`` or a baseline's (:data:`BASELINES`: ``"DDP"``, ``"ZeRO-2"``, ``"FSDP"``, ``"HSDP"``, each
+            also with ``"+AC"``, every block recomputed, and ``"+SAC"``, every block recomputed selectively).
         plan: the plan predicted (OSDP's from the solver).
         prediction: its prediction at the requested batch size.
         max_batch: the largest per-device batch size whose peak fits the budget (0: none; ``None``: not searched).
@@ -238,6 +256,9 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     batch_size = args.batch_size or config.batch_size or source.default_size
     if not batch_size or batch_size < 1:
         raise CLIError("give --batch-size N (per device, at least 1), or a config with data.batch_size")
+    tokens_per_sample = args.tokens_per_sample if args.tokens_per_sample is not None else source.tokens_per_sample
+    if tokens_per_sample is not None and tokens_per_sample < 1:
+        raise CLIError(f"--tokens-per-sample must be at least 1, got {tokens_per_sample}")
     optimizer, optimizer_note = _optimizer(args.optimizer, model)
     max_split = args.max_split if args.max_split is not None else (config.max_split or 8)
     if max_split < 1:
@@ -275,6 +296,7 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         optimizer=optimizer,
         optimizer_note=optimizer_note,
         planner=planner,
+        tokens_per_sample=tokens_per_sample,
     )
 
 
@@ -391,7 +413,7 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
         if recompute == "selective" and not _measured_selectively(profile):
             continue  # a profile from before selective figures: no such row
         plan = Plan.uniform(run.model, mode, recompute=recompute)
-        plan.info["source"] = f"uniform {mode}{_RECOMPUTE_LABEL[recompute]} ({name})"
+        plan.info["source"] = f"uniform {mode}, every block recompute={recompute!r} ({name})"
         rows.append(StrategyFigures(name, plan, predict(profile, plan, run.topology)))
     if not search:
         return rows
@@ -408,15 +430,6 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
     return rows
 
 
-#: How a baseline row names its blocks' recomputation.
-_RECOMPUTE_LABEL = {"none": "", "selective": " +selective", "full": " +recompute"}
-
-
-def _uniform_recompute(plan: Plan) -> str:
-    """How a uniform plan's blocks recompute (``"none"`` when none does)."""
-    return next((d.recompute for d in plan.decisions.values() if d.recomputes), "none")
-
-
 def _measured_selectively(profile: ModelProfile) -> bool:
     """Whether the profile measured its blocks under selective recomputation (every block a uniform plan decides)."""
     return any(m.selective_kept_bytes is not None for m in profile.modules.values())
@@ -426,28 +439,44 @@ def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[
     return lambda b: predict(scaled.at(b), plan, run.topology).peak_bytes <= run.planned_budget
 
 
-def _rate(batch_size: int, world_size: int, seconds: float | None) -> str:
-    return f"{batch_size * world_size / seconds:,.1f}" if seconds else "-"
+def _rates(run: DryRun, batch_size: int, seconds: float | None) -> list[str]:
+    """Samples/s over all ranks and, where the tokens per sample are known, tokens/s per GPU."""
+    samples = f"{batch_size * run.world_size / seconds:,.1f}" if seconds else "-"
+    if run.tokens_per_sample is None:
+        return [samples]
+    return [samples, f"{batch_size * run.tokens_per_sample / seconds:,.0f}" if seconds else "-"]
+
+
+def _plan_modes(plan: Plan) -> str:
+    """A plan's decisions by mode, with its splits and recomputations in the comparison's words (AC, SAC)."""
+    decisions = list(plan.decisions.values())
+    parts = [f"{n} {m}" for m in MODES if (n := sum(d.mode == m for d in decisions))]
+    for label, count in (
+        ("split", sum(d.split > 1 for d in decisions)),
+        ("AC", sum(d.recompute == "full" for d in decisions)),
+        ("SAC", sum(d.recompute == "selective" for d in decisions)),
+    ):
+        if count:
+            parts.append(f"{count} {label}")
+    return ", ".join(parts)
 
 
 def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[str]]:
     table = []
+    none = ["-"] * len(_rates(run, 1, None))
     for row in rows:
         p = row.prediction
         fits = p.peak_bytes <= run.planned_budget
-        modes = (
-            row.plan.summary().partition(": ")[2].rstrip(")")
-            if row.name == "OSDP"
-            else f"all {row.plan.decisions[''].mode}" + _RECOMPUTE_LABEL[_uniform_recompute(row.plan)]
-        )
+        # A baseline's name says how its blocks recompute (+AC, +SAC); its modes column, the one mode of its units.
+        modes = _plan_modes(row.plan) if row.name == "OSDP" else f"all {row.plan.decisions[''].mode}"
         if row.max_batch is None:
-            largest, at_max, rate = "-", "-", "-"
+            largest, at_max, rates = "-", "-", none
         elif row.max_batch == 0:
-            largest, at_max, rate = "none", "-", "-"
+            largest, at_max, rates = "none", "-", none
         else:
             largest = str(row.max_batch)
             at_max = f"{row.max_batch_seconds * 1e3:,.1f}" if row.max_batch_seconds else "-"
-            rate = _rate(row.max_batch, run.world_size, row.max_batch_seconds)
+            rates = _rates(run, row.max_batch, row.max_batch_seconds)
         table.append(
             [
                 row.name,
@@ -455,14 +484,17 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
                 format_bytes(p.peak_bytes),
                 "yes" if fits else "no",
                 f"{p.step_seconds * 1e3:,.1f}",
-                _rate(run.batch_size, run.world_size, p.step_seconds) if fits else "-",
+                *(_rates(run, run.batch_size, p.step_seconds) if fits else none),
                 largest,
                 at_max,
-                rate,
+                *rates,
             ]
         )
     return table
 
+
+#: The comparison's throughput columns: samples/s over all ranks, tokens/s per GPU (where the tokens are known).
+_RATE_HEADERS = ("samples/s", "tokens/s/GPU")
 
 #: The columns of the step-parts table: ``Prediction.step_parts`` keys and their headers.
 _PARTS: tuple[tuple[str, str], ...] = (
@@ -476,22 +508,38 @@ _PARTS: tuple[tuple[str, str], ...] = (
 )
 
 
-def model_flops_utilization(profile: ModelProfile, step_seconds: float, peak_flops: float) -> float | None:
-    """The step's model FLOPs (three times the traced forward's: forward and backward, no recomputation; causal
-    attention at its real work) over the step time and the device's data-sheet peak; ``None`` without a peak."""
+def model_flops_utilization(
+    profile: ModelProfile, step_seconds: float, peak_flops: float, convention: str = "palm"
+) -> float | None:
+    """The step's model FLOPs over the step time and the device's data-sheet peak; ``None`` without a peak.
+
+    The model FLOPs are three times the traced forward's (forward and backward, no recomputation), with causal
+    attention counted as ``convention`` (:data:`MFU_CONVENTIONS`) says: ``"palm"`` in full (PaLM's appendix B, whose
+    ``6N + 12 L H Q T`` per token torchtitan computes: for a causal Llama, three times its traced forward so
+    counted), ``"flash-attention"`` at the scores its fused kernels compute (about half;
+    ``lightning_osdp/profiling/tracer.py`` [Note: causal attention]). A profile from before version 6 does not say
+    what causal attention skips: both conventions read its FLOPs as traced.
+    """
+    if convention not in MFU_CONVENTIONS:
+        raise ValueError(f"unknown MFU convention {convention!r}; choose from {', '.join(MFU_CONVENTIONS)}")
     if not peak_flops or step_seconds <= 0:
         return None
-    return 3 * sum(m.fwd_flops for m in profile.modules.values()) / step_seconds / peak_flops
+    flops = sum(m.fwd_flops for m in profile.modules.values())
+    if convention == "palm":
+        flops += sum(m.fwd_causal_skipped_flops for m in profile.modules.values())
+    return 3 * flops / step_seconds / peak_flops
 
 
-def _parts_table(run: DryRun, profile: ModelProfile, rows: Sequence[StrategyFigures], out: Output) -> None:
+def _parts_table(
+    run: DryRun, profile: ModelProfile, rows: Sequence[StrategyFigures], out: Output, *, mfu_convention: str = "palm"
+) -> None:
     """What each strategy's step is made of, its communication by cause, and the hardware figures each part comes
     from, so that a reader can check every term against the hardware."""
     table, comm_table = [], []
     for row in rows:
         p = row.prediction
         parts = p.step_parts
-        mfu = model_flops_utilization(profile, p.step_seconds, run.figures.peak_flops)
+        mfu = model_flops_utilization(profile, p.step_seconds, run.figures.peak_flops, mfu_convention)
         table.append(
             [
                 row.name,
@@ -516,7 +564,10 @@ def _parts_table(run: DryRun, profile: ModelProfile, rows: Sequence[StrategyFigu
     collective = ", ".join(
         f"{op.replace('_', '-')} of 256 MiB {fits[op].seconds(probe) * 1e3:.2f} ms" for op in sorted(fits)
     )
+    other = next(c for c in MFU_CONVENTIONS if c != mfu_convention)
+    other_mfu = model_flops_utilization(profile, rows[0].prediction.step_seconds, run.figures.peak_flops, other)
     notes = [
+        "The step's parts add up to it (step); compute is the same figure as in the plan's summary.",
         f"compute: each operator's FLOPs and bytes ({rates.dtype}; see the figures below) plus "
         f"{rates.matmul_op_seconds * 1e6:.0f}/{rates.memory_op_seconds * 1e6:.0f} us per matmul/other kernel, "
         f"other operators' bytes at {rates.memory_bytes_per_second / 1e9:,.0f} GB/s; recompute: the forward of the "
@@ -527,11 +578,18 @@ def _parts_table(run: DryRun, profile: ModelProfile, rows: Sequence[StrategyFigu
         "over each rank's local parameters (traced on the target's rates); overhead: the loss, the training loop, "
         "and FSDP2's hooks where they outlast their units' compute (lightning_osdp/cost_model/config.py [Note: the "
         "target's figures]).",
-        "MFU: three times the traced forward FLOPs (causal attention at its real work, no recomputation) per step "
-        + (f"over the data sheet's {run.figures.peak_flops / 1e12:,.0f} TFLOPS." if run.figures.peak_flops else "-."),
+        f"MFU ({', '.join(MFU_CONVENTIONS[mfu_convention])}): three times the traced forward FLOPs (no "
+        "recomputation) per "
+        "step over "
+        + (
+            f"the data sheet's {run.figures.peak_flops / 1e12:,.0f} TFLOPS dense peak; OSDP's in the other "
+            f"convention (--mfu-convention {other}): {other_mfu:.1%}."
+            if run.figures.peak_flops and other_mfu is not None
+            else "the data sheet's dense peak, which the figures do not give (-)."
+        ),
     ]
     out.table(
-        f"Step parts per device at batch {run.batch_size} (ms)",
+        f"Step parts per device at batch {run.batch_size} (ms; MFU: {MFU_CONVENTIONS[mfu_convention][0]})",
         ["strategy", *(h for _, h in _PARTS), "step", "MFU"],
         table,
         right=list(range(1, len(_PARTS) + 3)),
@@ -554,7 +612,15 @@ def _parts_table(run: DryRun, profile: ModelProfile, rows: Sequence[StrategyFigu
     )
 
 
-def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigures], out: Output) -> None:
+def _report(
+    run: DryRun,
+    scaled: BatchScaledProfile,
+    rows: Sequence[StrategyFigures],
+    out: Output,
+    *,
+    mfu_convention: str = "palm",
+    all_units: bool = False,
+) -> None:
     profile = scaled.at(run.batch_size)
     params = sum(m.param_count for m in profile.modules.values())
     param_bytes = sum(m.param_bytes for m in profile.modules.values())
@@ -568,12 +634,19 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
         f"budget {format_bytes(run.budget)} per device ({run.budget_source}), planned against "
         f"{format_bytes(run.planned_budget)} ({run.planner.memory_headroom:.0%} headroom); precision {run.precision}"
     )
-    out.print(f"batch {run.batch_size} per device: {batch}, {run.batch.description}")
+    tokens = (
+        f"; {run.batch_size * run.tokens_per_sample:,} tokens per device and step"
+        if run.tokens_per_sample is not None
+        else "; tokens per sample unknown (--tokens-per-sample T for tokens/s)"
+    )
+    out.print(f"batch {run.batch_size} per device: {batch}, {run.batch.description}{tokens}")
     out.print("")
     osdp = rows[0]
-    out.print(format_plan(osdp.plan, osdp.prediction, budget=run.budget, rich_markup=out.rich))
-    if run.figures.device.startswith("cuda"):
-        out.print(plan_memory_line(osdp.prediction, osdp.plan, run.topology, run.figures.memory_bytes))
+    out.print(
+        format_plan(
+            osdp.plan, osdp.prediction, budget=run.budget, rich_markup=out.rich, fold=not all_units, legend=True
+        )
+    )
     out.print("")
     headers = [
         "strategy",
@@ -581,21 +654,31 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
         "peak/device",
         "fits",
         "step ms",
-        "samples/s",
+        *_RATE_HEADERS[: len(_rates(run, 1, None))],
         "max batch",
         "step ms @max",
-        "samples/s @max",
+        *(f"{h} @max" for h in _RATE_HEADERS[: len(_rates(run, 1, None))]),
     ]
     searched = rows[0].max_batch is not None
+    tokens = (
+        f"tokens/s/GPU: {run.tokens_per_sample:,} tokens per sample, per device."
+        if run.tokens_per_sample is not None
+        else "tokens/s/GPU: not shown, the tokens per sample are unknown (--tokens-per-sample T)."
+    )
     notes = [
-        f"samples/s: over all {run.world_size} ranks."
-        + (
-            " fits, max batch: whether the predicted peak fits the budget less the planner's headroom, and the largest "
-            "per-device batch whose predicted peak does (OSDP re-planned at "
-            f"each size); all figures are affine in the batch size, profiled at {scaled.low_batch} and "
-            f"{scaled.high_batch} and interpolated."
+        "strategy: OSDP, the solver's plan; the others each block in one mode, the rest of the model one unit: DDP "
+        "no_shard, ZeRO-2 shard_grad_op, FSDP full_shard, HSDP hybrid_shard (sharded within a node, replicated "
+        'across nodes); +AC: every block recomputed in backward (activation checkpointing, recompute="full"); +SAC: '
+        'selectively (recompute="selective"; AC and SAC as in the plan table).',
+        "modes: the plan's units by mode; peak/device: the predicted peak of allocated memory; fits: whether it fits "
+        f"the budget less the planner's headroom ({format_bytes(run.planned_budget)}); step ms: the predicted step; "
+        f"samples/s: over all {run.world_size} ranks (- where it does not fit); {tokens}",
+        (
+            "max batch: the largest per-device batch whose predicted peak fits (OSDP re-planned at each size), and "
+            "@max the figures at it; all figures are affine in the batch size, profiled at "
+            f"{scaled.low_batch} and {scaled.high_batch} and interpolated."
             if searched
-            else ""
+            else "max batch: not searched (--no-search)."
         ),
         "Times are estimates from FLOPs, bytes and the hardware figures (approximations, see "
         "lightning_osdp/cli/hardware.py); memory comes from the traced step and the cost model.",
@@ -604,11 +687,11 @@ def _report(run: DryRun, scaled: BatchScaledProfile, rows: Sequence[StrategyFigu
         f"Per device at batch {run.batch_size}, budget {format_bytes(run.budget)}",
         headers,
         _comparison_rows(run, rows),
-        right=[2, 4, 5, 6, 7, 8],
+        right=list(range(2, len(headers))),
         notes=notes,
     )
     out.print("")
-    _parts_table(run, profile, rows, out)
+    _parts_table(run, profile, rows, out, mfu_convention=mfu_convention)
 
 
 def _save(run: DryRun, scaled: BatchScaledProfile, plan: Plan, path: str, out: Output) -> None:
@@ -637,7 +720,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
     dry.seconds["model"] = time.perf_counter() - start
     scaled = _profiles(dry, out)
     rows = compare(dry, scaled, out, search=not args.no_search)
-    _report(dry, scaled, rows, out)
+    _report(dry, scaled, rows, out, mfu_convention=args.mfu_convention, all_units=args.all_units)
     if args.out:
         _save(dry, scaled, rows[0].plan, args.out, out)
     report = rows[0].plan.report

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
+from collections.abc import Sequence
 
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.cost_model.prediction import Prediction
 from lightning_osdp.plan import Plan
 
-__all__ = ["format_plan"]
+__all__ = ["PLAN_LEGEND", "format_plan"]
+
+#: What each column of :func:`format_plan`'s table is, printed below it with ``legend=True``.
+PLAN_LEGEND: tuple[str, ...] = (
+    "module: the unit (a module, and its descendants no other unit claims); units: how many identical consecutive "
+    "blocks the line stands for (their figures are each one's; every unit: osdp plan --all-units); params: its "
+    "parameters; mode: how it is sharded; split: the slices its Linear is cut into (gathered one at a time).",
+    'recompute: AC (activation checkpointing: its forward run again in backward; recompute="full" in the plan) or '
+    "SAC (selective: its matrix products', attention's and convolutions' outputs kept, the rest run again; "
+    'recompute="selective"); empty: its activations kept.',
+    "kept: the bytes it keeps on this rank all step (its parameters', gradients' and optimizer state's shards, or "
+    "replicas); gathered: its unsharded parameters while gathered (the largest slice's); comm ms: its collectives "
+    "per step, hidden or not; added ms: what it adds to the step beyond its compute (exposed communication, "
+    "contention, copies, optimizer, hooks).",
+)
+
+#: How a plan table names a unit's recomputation (``Decision.recompute``).
+_RECOMPUTE_NAMES = {"none": "", "selective": "SAC", "full": "AC"}
 
 
 def format_plan(
@@ -19,6 +38,8 @@ def format_plan(
     budget: int | None = None,
     rich_markup: bool | None = None,
     width: int = 120,
+    fold: bool = False,
+    legend: bool = False,
 ) -> str:
     """Render ``plan`` with its ``prediction`` as a table (one row per unit, the slices of a split together).
 
@@ -29,11 +50,14 @@ def format_plan(
         rich_markup: render with rich's box drawing; ``None``: when stdout is a terminal (plain text when piped
             or logged).
         width: table width for rich.
+        fold: one line for each run of consecutive blocks (``prefix.3`` to ``prefix.9``) whose every figure is
+            the same, named ``prefix.3-9`` with a ``units`` column (``x7``).
+        legend: print :data:`PLAN_LEGEND` below the table.
 
     Columns: the unit's module, its parameters (count), mode, split, how it recomputes its activations in backward
-    (``full`` or ``selective`` activation checkpointing; empty: not at all), the bytes it keeps all step on this rank
+    (``AC``: fully, ``SAC``: selectively; empty: not at all), the bytes it keeps all step on this rank
     (parameters, gradients, optimizer state), the bytes while gathered, its communication and what it adds to the step
-    (exposed communication, copies, optimizer, overhead), in milliseconds.
+    (exposed communication, contention, copies, optimizer, overhead), in milliseconds.
     """
     if budget is None and plan.report is not None:
         budget = plan.report.requested_budget_bytes
@@ -47,9 +71,7 @@ def format_plan(
                 _count(u.param_count),
                 u.mode,
                 str(u.split),
-                plan.decisions[u.name].recompute
-                if u.name in plan.decisions and plan.decisions[u.name].recomputes
-                else "",
+                _RECOMPUTE_NAMES[plan.decisions[u.name].recompute] if u.name in plan.decisions else "",
                 format_bytes(u.kept.total),
                 format_bytes(u.gathered),
                 f"{u.time.communication * 1e3:.2f}",
@@ -67,6 +89,8 @@ def format_plan(
         f"{prediction.communication_seconds * 1e3:.2f}",
         f"{sum(u.time.added for u in prediction.units) * 1e3:.2f}",
     ]
+    if fold:
+        headers, rows, total = _folded(headers, rows, total)
     fit = ""
     if budget:
         fit = f" of budget {format_bytes(budget)} ({100 * prediction.peak_bytes / budget:.0f}%)"
@@ -77,15 +101,60 @@ def format_plan(
         + ", ".join(
             f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in prediction.peak.as_dict().items() if k != "total"
         ),
-        f"predicted step {prediction.step_seconds * 1e3:.1f} ms (compute {prediction.compute_seconds * 1e3:.1f} ms, "
-        f"communication {prediction.communication_seconds * 1e3:.1f} ms, exposed "
-        f"{prediction.exposed_seconds * 1e3:.1f} ms) on {prediction.world_size} ranks"
+        # The step's parts as they add up to it (Prediction.step_parts), so that "compute" is one figure wherever
+        # it is printed; communication beside them, of which "exposed communication" is the part the step waits for.
+        f"predicted step {prediction.step_seconds * 1e3:.1f} ms ("
+        + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.1f}" for k, v in prediction.step_parts.items())
+        + f" ms; all communication {prediction.communication_seconds * 1e3:.1f} ms) on {prediction.world_size} ranks"
         + (f"; solver: {status}" if status else ""),
+        *(PLAN_LEGEND if legend else ()),
     ]
     title = f"OSDP plan: {plan.summary()}"
     if use_rich:
         return _rich(title, headers, rows, total, footer, width)
     return _plain(title, headers, rows, total, footer)
+
+
+_BLOCK = re.compile(r"^(.*\.)(\d+)$")
+
+
+def _folded(
+    headers: list[str], rows: list[list[str]], total: list[str]
+) -> tuple[list[str], list[list[str]], list[str]]:
+    """``rows`` with each run of consecutive blocks (``prefix.i``, ``prefix.i+1``...) whose other cells are all equal
+    on one line, ``prefix.i-j``, and a ``units`` column after the module (the table unchanged when nothing folds)."""
+    runs: list[list[list[str]]] = []
+    for row in rows:
+        last = runs[-1][-1] if runs else None
+        here, before = _BLOCK.match(row[0]), _BLOCK.match(last[0]) if last else None
+        if (
+            last is not None
+            and here is not None
+            and before is not None
+            and here.group(1) == before.group(1)
+            and int(here.group(2)) == int(before.group(2)) + 1
+            and row[1:] == last[1:]
+        ):
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    if all(len(run) == 1 for run in runs):
+        return headers, rows, total
+    folded = []
+    for run in runs:
+        first = run[0]
+        if len(run) == 1:
+            folded.append([first[0], "", *first[1:]])
+        else:
+            end = _BLOCK.match(run[-1][0])
+            assert end is not None
+            folded.append([f"{first[0]}-{end.group(2)}", f"x{len(run)}", *first[1:]])
+    return [headers[0], "units", *headers[1:]], folded, [total[0], "", *total[1:]]
+
+
+def _right(headers: Sequence[str]) -> set[int]:
+    """The right-aligned (numeric) columns."""
+    return {i for i, h in enumerate(headers) if h in ("params", "split", "kept", "gathered", "comm ms", "added ms")}
 
 
 def _count(n: int) -> str:
@@ -98,7 +167,7 @@ def _count(n: int) -> str:
 def _plain(title: str, headers: list[str], rows: list[list[str]], total: list[str], footer: list[str]) -> str:
     table = [headers, *rows, total]
     widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
-    right = {1, 3, 5, 6, 7, 8}
+    right = _right(headers)
 
     def line(r: list[str]) -> str:
         return "  ".join(
@@ -117,8 +186,9 @@ def _rich(
     from rich.table import Table
 
     table = Table(title=title, show_footer=False, title_justify="left")
+    right = _right(headers)
     for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i in (0, 2, 4) else "right")
+        table.add_column(h, justify="right" if i in right else "left")
     for r in rows:
         table.add_row(*r)
     table.add_section()
