@@ -187,3 +187,13 @@ def test_the_strategy_refuses_them_at_construction_before_any_check() -> None:
     # OSDP's own arguments of the same name as FSDPStrategy's still pass.
     strategy = OSDPStrategy(state_dict_type="full", activation_checkpointing="full", mixed_precision="bf16")
     assert strategy.planner_options.activation_checkpointing == "full"
+
+
+def test_the_error_docs_migrating_md_shows_is_the_one_raised() -> None:
+    from conftest import ROOT
+
+    page = (ROOT / "docs" / "migrating.md").read_text()
+    shown = re.search(r"^```text\n(.*?)^```", page, re.S | re.M)
+    assert shown is not None
+    text = message(auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD", cpu_offload=True)
+    assert shown.group(1) == text + "\n"
