@@ -37,7 +37,7 @@ DDP = "DDPStrategy"
 FSDP_KWARGS = "FSDPStrategy, passed on to FSDP"
 DDP_KWARGS = "DDPStrategy, passed on to DistributedDataParallel"
 
-#: FSDP1's ``ShardingStrategy`` names (also DeepSpeed's stages, below) -> OSDP's modes: the same words, lower case.
+#: FSDP1's ``ShardingStrategy`` names -> OSDP's modes: the same words, lower case.
 _MODE_OF_SHARDING = {mode.upper(): mode for mode in MODES}
 
 _MIGRATING = "docs/migrating.md"
