@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and docu
     from lightning_osdp.apply import OSDPModule, SplitLinear, apply_plan
     from lightning_osdp.budget import parse_memory_budget
     from lightning_osdp.cost_model import Prediction, predict
+    from lightning_osdp.fabric import OSDPFabricStrategy
     from lightning_osdp.plan import MODES, Decision, Plan, PlanError, default_units
     from lightning_osdp.profiling import ModelProfile, benchmark_collectives, profile
     from lightning_osdp.solve_report import PredictionSummary, SolveReport
@@ -42,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "Decision": "lightning_osdp.plan",
     "InfeasibleBudgetError": "lightning_osdp.solver",
     "ModelProfile": "lightning_osdp.profiling",
+    "OSDPFabricStrategy": "lightning_osdp.fabric",
     "OSDPModule": "lightning_osdp.apply",
     "OSDPStrategy": "lightning_osdp.strategy",
     "Plan": "lightning_osdp.plan",
@@ -67,6 +69,7 @@ __all__ = [
     "Decision",
     "InfeasibleBudgetError",
     "ModelProfile",
+    "OSDPFabricStrategy",
     "OSDPModule",
     "OSDPStrategy",
     "Plan",
@@ -87,11 +90,14 @@ __all__ = [
     "solve",
 ]
 
-#: The name ``Trainer(strategy=...)`` takes; ``OSDPStrategy.strategy_name`` (a test checks that they agree).
+#: The name ``Trainer(strategy=...)`` and ``Fabric(strategy=...)`` take; ``OSDPStrategy.strategy_name`` and
+#: ``OSDPFabricStrategy.strategy_name`` (a test checks that they agree).
 _STRATEGY_NAME = "osdp"
 _STRATEGY_DESCRIPTION = "Optimal Sharded Data Parallel (per-module DDP/ZeRO plan)"
-# Where Lightning keeps its strategy registry (``StrategyRegistry``).
+# Where Lightning keeps its two strategy registries, the Trainer's and Fabric's, by the name of each registry.
 _REGISTRY_MODULE = "lightning.pytorch.strategies"
+_FABRIC_REGISTRY_MODULE = "lightning.fabric.strategies"
+_REGISTRIES = {_REGISTRY_MODULE: "StrategyRegistry", _FABRIC_REGISTRY_MODULE: "STRATEGY_REGISTRY"}
 
 
 def __getattr__(name: str) -> Any:
@@ -123,21 +129,31 @@ def _osdp_strategy(**kwargs: Any) -> Any:
     return OSDPStrategy(**kwargs)
 
 
+def _osdp_fabric_strategy(**kwargs: Any) -> Any:
+    """What Fabric's ``STRATEGY_REGISTRY.get("osdp")`` calls: an :class:`~lightning_osdp.fabric.OSDPFabricStrategy`
+    (a factory for the same reason as :func:`_osdp_strategy`)."""
+    from lightning_osdp.fabric import OSDPFabricStrategy
+
+    return OSDPFabricStrategy(**kwargs)
+
+
 def _register(strategies: ModuleType) -> None:
-    registry = strategies.StrategyRegistry
+    registry = getattr(strategies, _REGISTRIES[strategies.__name__])
+    factory = _osdp_fabric_strategy if strategies.__name__ == _FABRIC_REGISTRY_MODULE else _osdp_strategy
     if _STRATEGY_NAME not in registry:
-        registry.register(_STRATEGY_NAME, _osdp_strategy, description=_STRATEGY_DESCRIPTION)
+        registry.register(_STRATEGY_NAME, factory, description=_STRATEGY_DESCRIPTION)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """A ``sys.meta_path`` finder that claims nothing: when ``lightning.pytorch.strategies`` is about to be
-    imported, it finds the module with the finders after it and wraps that loader's ``exec_module``, so that
-    :func:`_register` runs right after the module's code has run; then it takes itself off ``sys.meta_path``."""
+    """A ``sys.meta_path`` finder that claims nothing: when ``lightning.pytorch.strategies`` or
+    ``lightning.fabric.strategies`` is about to be imported, it finds the module with the finders after it and wraps
+    that loader's ``exec_module``, so that :func:`_register` runs right after the module's code has run; once both
+    are registered it takes itself off ``sys.meta_path``."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _REGISTRY_MODULE:
+        if fullname not in _REGISTRIES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -154,7 +170,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module: ModuleType) -> None:
             exec_module(module)
-            if self in sys.meta_path:
+            if self in sys.meta_path and all(_registry_loaded(name) for name in _REGISTRIES):
                 sys.meta_path.remove(self)
             _register(module)
 
@@ -168,18 +184,24 @@ def _register_when_lightning_loads() -> None:
     """Register ``"osdp"`` in Lightning's strategy registry now if Lightning is imported, else right after it is.
 
     [Note: why an import hook]
-    Lightning 2.6 discovers no strategies: ``_StrategyRegistry`` is filled by Lightning's own classes at import,
-    and the only entry points it reads (``lightning.pytorch.callbacks_factory``) are loaded after the Trainer has
-    already resolved its ``strategy`` argument. Importing Lightning here would make every import of this package
-    pay for it. So a finder on ``sys.meta_path`` (:class:`_RegisterAfterImport`) waits for the registry's module,
-    whichever of ``import lightning``, ``import lightning.pytorch`` or ``from lightning.pytorch.strategies import
-    ...`` brings it in, before or after this package.
+    Lightning 2.6 discovers no strategies: its registries (the Trainer's and Fabric's) are filled by Lightning's own
+    classes at import, and the only entry points it reads (``lightning.pytorch.callbacks_factory``) are loaded after
+    the Trainer has already resolved its ``strategy`` argument. Importing Lightning here would make every import of
+    this package pay for it. So a finder on ``sys.meta_path`` (:class:`_RegisterAfterImport`) waits for each
+    registry's module, whichever of ``import lightning``, ``import lightning.pytorch``, ``import lightning.fabric``
+    or ``from lightning.pytorch.strategies import ...`` brings it in, before or after this package.
     """
-    loaded = sys.modules.get(_REGISTRY_MODULE)
-    if loaded is not None and hasattr(loaded, "StrategyRegistry"):
-        _register(loaded)
-    elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
+    for name in _REGISTRIES:
+        if _registry_loaded(name):
+            _register(sys.modules[name])
+    if not all(_registry_loaded(name) for name in _REGISTRIES) and not any(
+        isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path
+    ):
         sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+def _registry_loaded(name: str) -> bool:
+    return hasattr(sys.modules.get(name), _REGISTRIES[name])
 
 
 _register_when_lightning_loads()

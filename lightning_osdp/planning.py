@@ -38,6 +38,8 @@ from lightning_osdp.topology import Topology
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_osdp.profiling.optimizer_state import OptimizerSpec
+
 __all__ = ["PlannerOptions", "RunPlanner", "largest_batch", "representative_batch"]
 
 
@@ -152,9 +154,28 @@ class RunPlanner:
     ) -> Resolution:
         """The plan given, else the resumed checkpoint's, else profile and solve (rank 0 solves, every rank gets
         its plan); a plan solved here is printed and saved with its profile."""
-        resolution = resolve_plan(
+        return self.resolve_with(
             given=given,
             resumed=self._resumed(trainer, module),
+            profile=lambda: self._profile(trainer, module, to_device),
+            # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
+            plan_file=lambda: self.plan_out or Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json",
+        )
+
+    def resolve_with(
+        self,
+        *,
+        given: Plan | None,
+        resumed: osdp_checkpoint.PlanChoice | None,
+        profile: Callable[[], ModelProfile],
+        plan_file: Callable[[], Path | None],
+    ) -> Resolution:
+        """:meth:`resolve` for any front door: ``profile`` profiles the model (a collective, e.g.
+        :meth:`profile_batch`), ``plan_file`` says where a plan solved here is saved (called on every rank; ``None``:
+        printed only). Fabric's strategy calls this with the first forward's batch and no checkpoint."""
+        resolution = resolve_plan(
+            given=given,
+            resumed=resumed,
             topology=self.topology,
             fits=lambda profile, plan: self.options.fits(profile, plan, self.budget, self.topology),
             solve=lambda profile: self.log.timed(
@@ -162,14 +183,12 @@ class RunPlanner:
                 lambda: from_rank_zero(lambda: self.options.plan(profile, self.budget, self.topology), what="planning"),
                 done=lambda plan: f"{_solved(plan)} under {format_bytes(self.budget)} per device",
             ),
-            profile=lambda: self.log.timed(
-                "profiling the model", lambda: self._profile(trainer, module, to_device), done=_profiled
-            ),
+            profile=lambda: self.log.timed("profiling the model", profile, done=_profiled),
         )
         for message in resolution.messages:
             rank_zero_info(f"OSDP: {message}")
         if resolution.solved_here and resolution.profile is not None:
-            self._save(trainer, resolution.plan, resolution.profile)
+            self._save(plan_file(), resolution.plan, resolution.profile)
         return resolution
 
     def holds_parameters(self, module: torch.nn.Module) -> int | None:
@@ -221,9 +240,29 @@ class RunPlanner:
     ) -> ModelProfile:
         """Profile on the representative batch (a collective: every rank profiles its replica, rank 0's figures are
         broadcast so that all plan alike)."""
+        batch, source, step = representative_batch(trainer, module, to_device)
+        # An accumulating step holds every unit's unsharded gradients between its micro-batches (the cost model's
+        # [Note: gradient accumulation]); a manual step accumulates as it likes, which the profile cannot know.
+        accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if module.automatic_optimization else 1
+        return self.profile_batch(module, batch, source=source, step=step, accumulation=accumulation)
+
+    def profile_batch(
+        self,
+        module: torch.nn.Module,
+        batch: Any,
+        *,
+        source: str,
+        step: str,
+        accumulation: int = 1,
+        optimizer: OptimizerSpec | None = None,
+    ) -> ModelProfile:
+        """Profile ``module``'s step on ``batch`` (``step``: ``"training_step"`` or ``"forward"``; ``source`` is
+        recorded), with ``accumulation`` micro-batches per optimizer step and the optimizer ``optimizer`` (default
+        the LightningModule's ``configure_optimizers``): measured on a copy where it fits the budget, else estimated;
+        a budget below the parameters' floor is refused on fake tensors first (:meth:`holds_parameters`). A
+        collective."""
         from lightning_osdp.profiling import profile, profile_with_policy
 
-        batch, source, step = representative_batch(trainer, module, to_device)
         kwargs: dict[str, Any] = {
             "device": self.device,
             "step": step,
@@ -233,6 +272,8 @@ class RunPlanner:
             "available_memory": self.budget,
             "node_groups": self.node_groups,
         }
+        if optimizer is not None:
+            kwargs["optimizer"] = optimizer
 
         def run(**extra: Any) -> ModelProfile:
             if self.mp_policy is not None:
@@ -244,21 +285,18 @@ class RunPlanner:
         if least is not None:
             self._refuse(least, lambda: run(mode="estimated"))
         profiled = run()
-        # An accumulating step holds every unit's unsharded gradients between its micro-batches (the cost model's
-        # [Note: gradient accumulation]); a manual step accumulates as it likes, which the profile cannot know.
-        accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if module.automatic_optimization else 1
-        return dataclasses.replace(profiled, gradient_accumulation=accumulation)
+        return dataclasses.replace(profiled, gradient_accumulation=max(int(accumulation), 1))
 
-    def _save(self, trainer: pl.Trainer, plan: Plan, profile: ModelProfile) -> None:
-        """Rank 0 prints the plan solved here and saves it, with its profile beside it."""
+    def _save(self, out: Path | None, plan: Plan, profile: ModelProfile) -> None:
+        """Rank 0 prints the plan solved here and, when ``out`` is given, saves it with its profile beside it."""
         from lightning_osdp.cost_model import predict
         from lightning_osdp.solver import format_plan
 
-        # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
-        out = self.plan_out or Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json"
         if not self.is_global_zero:
             return
         print(format_plan(plan, predict(profile, plan, self.topology), budget=self.budget))
+        if out is None:
+            return
         plan.save(out)
         self.profile_file = profile.save(out.with_name(out.stem + ".profile.json"))
         rank_zero_info(f"OSDP: plan saved to {out} (pass it back with OSDPStrategy(plan=...) to skip planning)")
