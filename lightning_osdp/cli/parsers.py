@@ -213,6 +213,11 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", metavar="PLAN.json", help="save the OSDP plan here (its profile beside it)")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw the OSDP plan's predicted memory over the step beside FSDP's, and the plan (needs matplotlib)",
+    )
     report = parser.add_argument_group("report")
     report.add_argument(
         "--mfu-convention",
@@ -237,13 +242,17 @@ def add_show_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="show a saved plan (plan file, sharded checkpoint directory or .ckpt file) as a table",
         description="Show a saved OSDP plan as a table: from a plan file (with NAME.profile.json beside it, if "
         "any), a sharded checkpoint directory or a .ckpt file. With a profile, each unit's predicted memory and "
-        "time are shown; --plot draws them under each mode.",
+        "time are shown; --plot draws its predicted memory over the step beside FSDP's.",
     )
     parser.add_argument("path", help="plan .json, sharded checkpoint directory, or .ckpt file")
     parser.add_argument("--world-size", type=int, metavar="N", help="predict for N ranks (default: the saved one)")
     parser.add_argument("--profile", action="store_true", help="also print the per-module profile")
     parser.add_argument("--depth", type=int, default=None, metavar="D", help="fold the profile table to depth D")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw per-unit memory and time by mode (needs matplotlib)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw the memory over the step beside FSDP's, and the plan (needs matplotlib)",
+    )
     return parser
 
 

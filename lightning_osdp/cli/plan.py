@@ -723,6 +723,12 @@ def run(args: argparse.Namespace, out: Output) -> int:
     _report(dry, scaled, rows, out, mfu_convention=args.mfu_convention, all_units=args.all_units)
     if args.out:
         _save(dry, scaled, rows[0].plan, args.out, out)
+    if args.plot:
+        from lightning_osdp.cli.plot import plot_dry_run
+
+        with out.step(f"drawing {args.plot}"):
+            written = plot_dry_run(args.plot, dry, rows)
+        out.print(f"\nwrote {written}")
     report = rows[0].plan.report
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in dry.seconds.items())
     if report is not None:

@@ -19,10 +19,11 @@ it): the error without it names the command that adds it. The figure is drawn wi
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.cli.errors import CLIError
@@ -31,7 +32,10 @@ from lightning_osdp.cost_model.timeline import PHASES
 from lightning_osdp.grouping import ROOT, covering_decision
 from lightning_osdp.plan import Decision, Plan, Recomputation
 
-__all__ = ["PlanRun", "PlotSide", "fold_plan", "fsdp_plan", "plot_plan"]
+if TYPE_CHECKING:
+    from lightning_osdp.cli.plan import DryRun, StrategyFigures
+
+__all__ = ["PlanRun", "PlotSide", "fold_plan", "fsdp_plan", "fsdp_sides", "plot_dry_run", "plot_plan"]
 
 #: Figure size in inches, and its resolution: 1,680 x 1,080 pixels for every model.
 FIGSIZE = (14.0, 9.0)
@@ -170,6 +174,53 @@ def fsdp_plan(plan: Plan, recompute: Recomputation = "none") -> Plan:
     return fsdp
 
 
+def _recomputation(plan: Plan) -> Recomputation:
+    """How most of ``plan``'s recomputed units recompute (``"none"`` when none does)."""
+    counts = Counter(d.recompute for d in plan.decisions.values() if d.recomputes)
+    return counts.most_common(1)[0][0] if counts else "none"
+
+
+def _uniform(plan: Plan) -> tuple[str, Recomputation] | None:
+    """``(mode, recompute)`` of a plan whose units all have one mode and whose units but the root recompute alike."""
+    modes = {d.mode for d in plan.decisions.values()}
+    recomputes = {d.recompute for name, d in plan.decisions.items() if name != ROOT}
+    if len(modes) != 1 or len(recomputes) > 1:
+        return None
+    return modes.pop(), recomputes.pop() if recomputes else "none"
+
+
+def fsdp_sides(plan: Plan, predict_plan: Callable[[Plan], Prediction]) -> list[PlotSide]:
+    """The FSDP panels ``plan`` is drawn beside: FSDP over its units (:func:`fsdp_plan`) and, when ``plan`` recomputes,
+    FSDP with every block recomputed as most of its recomputed units are (``FSDP+AC`` or ``FSDP+SAC``)."""
+    sides = [PlotSide("FSDP", fsdp := fsdp_plan(plan), predict_plan(fsdp))]
+    how = _recomputation(plan)
+    if how != "none":
+        recomputed = fsdp_plan(plan, how)
+        sides.append(PlotSide(_FSDP_NAMES[how], recomputed, predict_plan(recomputed)))
+    return sides
+
+
+_FSDP_NAMES = {"full": "FSDP+AC", "selective": "FSDP+SAC"}
+
+
+def plot_dry_run(path: str | Path, run: DryRun, rows: Sequence[StrategyFigures]) -> Path:
+    """``osdp plan --plot``: the OSDP row (``rows[0]``) beside the uniform FSDP rows :func:`fsdp_sides` would draw
+    (taken from ``rows``, which predicted them), under the budget and the device's memory."""
+    chosen = rows[0]
+    how = _recomputation(chosen.plan)
+    wanted = [("full_shard", "none")] + ([("full_shard", how)] if how != "none" else [])
+    baselines = {_uniform(row.plan): row for row in rows[1:]}
+    drawn = [chosen, *(baselines[w] for w in wanted if w in baselines)]  # FSDP+SAC needs a selective profile
+    sides = [PlotSide(row.name, row.plan, row.prediction) for row in drawn]
+    params = sum(u.param_count for u in chosen.prediction.units)
+    count = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    title = (
+        f"{run.model_name} ({count} parameters) on {run.world_size} x {run.figures.name}, batch "
+        f"{run.batch_size} per device, precision {run.precision}"
+    )
+    return plot_plan(path, sides, budget=run.budget, capacity=run.figures.memory_bytes, title=title)
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
@@ -212,21 +263,27 @@ def plot_plan(
 
     fig = plt.figure(figsize=FIGSIZE, dpi=DPI)
     grid = fig.add_gridspec(3, len(sides), height_ratios=[3.2, 0.3, 1.6], hspace=0.42, wspace=0.05)
-    gib = 2**30
     chosen = sides[0]
-    # One scale for every panel, set by the chosen plan and the lines: a baseline far over the budget (FSDP without
-    # recomputation, say) would otherwise flatten the chosen plan to the floor; its peak is written where it is cut.
-    top = max(chosen.prediction.peak_bytes, budget or 0, capacity or 0) * 1.18 / gib
+    # One scale for every panel, set by the chosen plan and the budget: a baseline far over the budget (FSDP without
+    # recomputation, say) would otherwise flatten the chosen plan to the floor (its peak is written where it is cut),
+    # and so would a device much larger than a small budget (said in the note instead of drawn).
+    top = max(chosen.prediction.peak_bytes, budget or 0) * 1.18
+    off_scale = ""
+    if capacity and capacity > 1.5 * top:
+        off_scale, capacity = f"; the device's {format_bytes(capacity)} is off the scale", None
+    elif capacity:
+        top = max(top, capacity * 1.08)
+    unit, unit_name = (2**30, "GiB") if top >= 2**30 else (2**20, "MiB")
     memory_axes: list[Any] = []
     for column, side in enumerate(sides):
         ax = fig.add_subplot(grid[0, column], sharey=memory_axes[0] if memory_axes else None)
         memory_axes.append(ax)
-        _draw_memory(ax, side, top, budget, capacity)
+        _draw_memory(ax, side, top, unit, budget, capacity)
         if column:
             ax.tick_params(labelleft=False)
         else:
-            ax.set_ylabel("GiB per device (rank 0)")
-    memory_axes[0].set_ylim(0, top)
+            ax.set_ylabel(f"{unit_name} per device (rank 0)")
+    memory_axes[0].set_ylim(0, top / unit)
     legend = [
         Patch(facecolor=_CATEGORY_COLOURS[c], label=c.replace("_", " ").replace("states", "state")) for c in CATEGORIES
     ]
@@ -238,7 +295,7 @@ def plot_plan(
         0.5,
         0.925,
         "predicted memory of one training step on rank 0, in order; each bar is the largest of the cost model's "
-        "instants it covers (phases not to scale), the peak marked",
+        f"instants it covers (phases not to scale), the peak marked{off_scale}",
         ha="center",
         fontsize=8,
         color="#444444",
@@ -276,12 +333,12 @@ def _bars(timeline: Sequence[MemoryInstant]) -> list[MemoryInstant]:
     return bars
 
 
-def _draw_memory(ax: Any, side: PlotSide, top: float, budget: int | None, capacity: int | None) -> None:
-    """One panel: the stacked memory over the step, the phases, the lines and the peak."""
-    gib = 2**30
+def _draw_memory(ax: Any, side: PlotSide, top: float, unit: int, budget: int | None, capacity: int | None) -> None:
+    """One panel: the stacked memory over the step, the phases, the lines and the peak (``top`` the scale's top in
+    bytes, ``unit`` the bytes of one unit of the y axis)."""
     bars = _bars(side.prediction.memory_timeline())
     xs = list(range(len(bars) + 1))
-    ys = [[getattr(b.parts, c) / gib for b in [*bars, bars[-1]]] for c in CATEGORIES]
+    ys = [[getattr(b.parts, c) / unit for b in [*bars, bars[-1]]] for c in CATEGORIES]
     ax.stackplot(xs, ys, colors=[_CATEGORY_COLOURS[c] for c in CATEGORIES], linewidth=0, step="post", zorder=2)
     centres, names = [], []
     for phase in PHASES:
@@ -297,22 +354,21 @@ def _draw_memory(ax: Any, side: PlotSide, top: float, budget: int | None, capaci
     ax.set_xlim(0, len(bars))
     label = {"fontsize": 8, "va": "bottom", "zorder": 4, "bbox": {"fc": "white", "ec": "none", "pad": 0.5}}
     if budget:
-        ax.axhline(budget / gib, color="#C0392B", linestyle="--", linewidth=1.2, zorder=3)
-        ax.text(1, budget / gib, f"budget {format_bytes(budget)}", color="#C0392B", ha="left", **label)
+        ax.axhline(budget / unit, color="#C0392B", linestyle="--", linewidth=1.2, zorder=3)
+        ax.text(1, budget / unit, f"budget {format_bytes(budget)}", color="#C0392B", ha="left", **label)
     if capacity:
-        ax.axhline(capacity / gib, color="black", linestyle=":", linewidth=1.2, zorder=3)
-        ax.text(len(bars) - 1, capacity / gib, f"device {format_bytes(capacity)}", ha="right", **label)
+        ax.axhline(capacity / unit, color="black", linestyle=":", linewidth=1.2, zorder=3)
+        ax.text(len(bars) - 1, capacity / unit, f"device {format_bytes(capacity)}", ha="right", **label)
     prediction = side.prediction
     index = max(range(len(bars)), key=lambda i: bars[i].parts.total)
-    peak_gib = prediction.peak_bytes / gib
     fits = "" if budget is None else (", fits" if prediction.peak_bytes <= budget else ", over the budget")
-    if peak_gib <= top:
-        ax.plot([index + 0.5], [peak_gib], marker="v", color="black", markersize=6, zorder=4)
+    if prediction.peak_bytes <= top:
+        ax.plot([index + 0.5], [prediction.peak_bytes / unit], marker="v", color="black", markersize=6, zorder=4)
     else:
         ax.annotate(
             f"peak {format_bytes(prediction.peak_bytes)}\noff the scale",
-            xy=(index + 0.5, top),
-            xytext=(index + 0.5, top * 0.8),
+            xy=(index + 0.5, top / unit),
+            xytext=(index + 0.5, top / unit * 0.8),
             ha="center",
             fontsize=8,
             zorder=5,

@@ -4,14 +4,14 @@ It reads a plan file (``osdp_plan.json``, written by the strategy in the log dir
 a sharded checkpoint directory or a full ``.ckpt`` file (their plan and profile, through
 :func:`lightning_osdp.checkpoint.saved_plan`). With a profile (``NAME.profile.json`` beside a plan file, or the one
 in the checkpoint) the table shows what each unit keeps, gathers and communicates, as the cost model predicts it
-for the saved world size; without one, the decisions only. ``--plot FILE.png`` draws each unit's memory,
-communication and added time under each mode, the chosen one outlined (needs matplotlib:
-``pip install "lightning-osdp[plot]"``).
+for the saved world size; without one, the decisions only. ``--plot FILE.png`` draws the plan's predicted memory over
+the step beside FSDP's, and the plan folded by identical blocks (``plot.py``; needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,14 +21,12 @@ from lightning_osdp.checkpoint import saved_plan
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cost_model import Prediction, predict
-from lightning_osdp.plan import MODES, Decision, Plan
+from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.profiling.report import print_profile
 from lightning_osdp.solver import format_plan
 
-__all__ = ["SavedPlanFile", "load", "mode_figures", "plot", "run"]
-
-_MODE_COLOURS = {"no_shard": "#4C72B0", "shard_grad_op": "#DD8452", "full_shard": "#55A868", "hybrid_shard": "#8172B3"}
+__all__ = ["SavedPlanFile", "load", "plot", "run"]
 
 
 @dataclass
@@ -116,77 +114,25 @@ def _decisions_only(saved: SavedPlanFile, out: Output) -> None:
     out.table(f"OSDP plan: {saved.plan.summary()}", ["module", "mode", "split"], rows, right=[2], notes=notes)
 
 
-def mode_figures(profile: ModelProfile, plan: Plan, world_size: int) -> dict[str, Prediction]:
-    """``plan`` with every decision switched to each mode (splits kept), predicted: mode -> prediction. The units
-    are the plan's, so each unit's figures can be compared across modes."""
-    out = {}
-    for mode in MODES:
-        variant = Plan({name: Decision(mode, d.split) for name, d in plan.decisions.items()})
-        out[mode] = predict(profile, variant, world_size)
-    return out
-
-
 def plot(saved: SavedPlanFile, prediction: Prediction, world_size: int, path: str | Path) -> Path:
-    """Draw each unit's memory, communication and added time under each mode, the plan's choice outlined; save
-    the figure to ``path`` (PNG, SVG or PDF, by its suffix)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise CLIError(
-            'osdp show --plot needs matplotlib: pip install "lightning-osdp[plot]" (or pip install matplotlib)'
-        ) from None
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    """Draw the plan's predicted memory over the step beside FSDP's over its units, and the plan folded by identical
+    blocks (``lightning_osdp/cli/plot.py``); save the figure to ``path`` (PNG, SVG or PDF, by its suffix)."""
+    from lightning_osdp.cli.hardware import get_hardware
+    from lightning_osdp.cli.plot import PlotSide, fsdp_sides, plot_plan
 
-    assert saved.profile is not None
-    by_mode = {
-        mode: {u.name: u for u in p.units} for mode, p in mode_figures(saved.profile, saved.plan, world_size).items()
-    }
-    units = [u.name for u in prediction.units]
-    chosen = {u.name: u.mode for u in prediction.units}
-    width = 0.8 / len(MODES)
-    fig, (ax_mem, ax_comm, ax_time) = plt.subplots(3, 1, figsize=(max(8.0, 0.45 * len(units) + 2), 9.5), sharex=True)
-    for i, mode in enumerate(MODES):
-        xs = [j + (i - (len(MODES) - 1) / 2) * width for j in range(len(units))]
-        figures = [by_mode[mode].get(name) for name in units]
-        kept = [u.kept.total / 2**20 if u else 0.0 for u in figures]
-        # no_shard and shard_grad_op hold their gathered parameters from forward to backward, across every later
-        # unit's compute: that is what full_shard saves. Its own gathers last one module's compute only.
-        held = [u.gathered / 2**20 if u and mode not in ("full_shard", "hybrid_shard") else 0.0 for u in figures]
-        comm = [u.time.communication * 1e3 if u else 0.0 for u in figures]
-        added = [u.time.added * 1e3 if u else 0.0 for u in figures]
-        lines = [1.5 if chosen[name] == mode else 0.0 for name in units]
-        colour = _MODE_COLOURS[mode]
-        ax_mem.bar(xs, kept, width, color=colour, edgecolor="black", linewidth=lines)
-        ax_mem.bar(
-            xs, held, width, bottom=kept, color=colour, alpha=0.45, hatch="//", edgecolor="black", linewidth=lines
-        )
-        ax_comm.bar(xs, comm, width, color=colour, edgecolor="black", linewidth=lines)
-        ax_time.bar(xs, added, width, color=colour, edgecolor="black", linewidth=lines)
-    ax_mem.set_ylabel("MiB per device\nkept (solid) + gathered,\nheld fwd to bwd (hatched)")
-    ax_comm.set_ylabel("communication\nper step (ms)")
-    ax_time.set_ylabel("added to the step (ms)\nexposed comm, copies,\noptimizer, hooks")
-    ax_time.set_xticks(range(len(units)))
-    recomputed = {n: d.recompute for n, d in saved.plan.decisions.items() if d.recomputes}
-    labels = [
-        (n or "<root>") + {"full": " (recompute)", "selective": " (selective)"}.get(recomputed.get(n, ""), "")
-        for n in units
+    profile = saved.profile
+    assert profile is not None
+    sides = [
+        PlotSide("plan", saved.plan, prediction),
+        *fsdp_sides(saved.plan, lambda p: predict(profile, p, world_size)),
     ]
-    ax_time.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
-    handles = [Patch(facecolor=_MODE_COLOURS[mode], label=mode) for mode in MODES]
-    ax_mem.legend(handles=handles, title="mode (outlined: chosen)", fontsize=8)
-    ax_mem.set_title(
-        f"{saved.plan.summary()} on {world_size} ranks\npredicted peak {format_bytes(prediction.peak_bytes)} per "
-        f"device, step {prediction.step_seconds * 1e3:.1f} ms",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    dry = saved.plan.info.get("dry_run")
+    capacity = None
+    if isinstance(dry, dict) and dry.get("hardware"):
+        with contextlib.suppress(CLIError):  # figures from a file (--hardware-profile): no device memory known here
+            capacity = get_hardware(str(dry["hardware"])).memory_bytes
+    title = f"{saved.source}: {saved.plan.summary()} on {world_size} ranks"
+    return plot_plan(path, sides, budget=saved.budget, capacity=capacity, title=title)
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
