@@ -1,9 +1,10 @@
 """The ``osdp`` command: plan a model before renting a cluster, inspect a plan, consolidate a checkpoint.
 
 ``osdp plan``
-    dry run: the OSDP plan, and DDP / ZeRO-2 / FSDP beside it, for a model on given hardware (``plan.py``).
+    dry run: the OSDP plan, and DDP / ZeRO-2 / FSDP beside it, for a model on given hardware (``plan.py``);
+    ``--plot`` draws its predicted memory over the step beside FSDP's (``plot.py``).
 ``osdp show PLAN_OR_CHECKPOINT``
-    a saved plan as a table, with its profile's figures; ``--plot`` draws them (``show.py``).
+    a saved plan as a table, with its profile's figures (``show.py``); ``--plot`` draws it as ``osdp plan`` does.
 ``osdp consolidate CHECKPOINT OUT.ckpt``
     a sharded checkpoint directory to one Lightning file (``consolidate.py``).
 ``osdp hardware``
