@@ -149,12 +149,14 @@ def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp
     assert all(step["OSDP"] <= step[name] * 1.001 for name, row in rows.items() if row["fits"] == "yes")
     # Tokens/s per GPU beside samples/s over the 8 ranks: windows of 1,025 ids train on 1,024 tokens each.
     assert "1,024 tokens trained per sample" in out and "4,096 tokens per device and step" in out
+    printed = 0.05 * 1024 / 8 + 0.5  # samples/s is printed to 0.1, tokens/s to 1
     for name, row in rows.items():
         if row["fits"] == "yes":
             samples = float(row["samples/s"].replace(",", ""))
-            assert float(row["tokens/s/GPU"].replace(",", "")) == pytest.approx(samples * 1024 / 8, abs=1), name
+            assert float(row["tokens/s/GPU"].replace(",", "")) == pytest.approx(samples * 1024 / 8, abs=printed), name
             at_max = float(row["samples/s @max"].replace(",", ""))
-            assert float(row["tokens/s/GPU @max"].replace(",", "")) == pytest.approx(at_max * 1024 / 8, abs=1), name
+            tokens_at_max = float(row["tokens/s/GPU @max"].replace(",", ""))
+            assert tokens_at_max == pytest.approx(at_max * 1024 / 8, abs=printed), name
     assert "\x1b[" not in out, "captured output is not a terminal: plain text"
 
 
@@ -374,7 +376,7 @@ def test_plan_on_several_nodes_reads_in_the_units_published_runs_compare(capsys:
     assert "64 tokens trained per sample" in out and "128 tokens per device and step" in out
     for name, row in rows.items():
         samples = float(row["samples/s"].replace(",", ""))
-        assert float(row["tokens/s/GPU"].replace(",", "")) == pytest.approx(samples * 64 / 8, abs=1), name
+        assert float(row["tokens/s/GPU"].replace(",", "")) == pytest.approx(samples * 64 / 8, abs=0.05 * 8 + 0.5), name
     # The MFU is PaLM's by default, named in the title; the note gives OSDP's in the other convention.
     assert "(ms; MFU: PaLM convention, causal attention counted in full)" in out
     palm = {name: float(row["MFU"].rstrip("%")) for name, row in step_parts(out).items()}
