@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OSDPMonitor"]
 
-#: Step 0 builds the optimizer state and runs lazy init: the check uses the median of the steps after it.
-CHECK_AFTER_STEPS = 4
-
 
 class OSDPMonitor(Callback):
     """Step time, peak memory and the prediction check of a run under ``OSDPStrategy`` (see the module docstring).
@@ -120,10 +117,9 @@ class OSDPMonitor(Callback):
         predicted = self.prediction()
         measured = []
         if self.step_time is not None:
-            # One figure, said what it is: the median of the steps after the first (the prediction check's is of
-            # the first few alone).
-            steps = len(self.steps.measurements)
-            over = f"median of {steps - 1} steps after the first" if steps > 1 else "the only step"
+            # One figure, said what it is: the median of the timed steps (step_monitor.py [Note: timed steps]).
+            timed = sum(not m.tracked for m in self.steps.measurements[1:])
+            over = f"median of {timed} untracked steps after the first" if timed > 1 else "one untracked step"
             guess = f"; predicted {predicted.step_seconds * 1e3:.1f} ms" if predicted else ""
             measured.append(f"step {self.step_time * 1e3:.1f} ms ({over}{guess})")
         if self.peak_memory_bytes is not None:
@@ -163,7 +159,7 @@ class OSDPMonitor(Callback):
         measurement = self.steps.stop()
         if measurement is not None and trainer.is_global_zero:
             self._log(trainer, measurement)
-            if measurement.step + 1 == CHECK_AFTER_STEPS:
+            if self.steps.check_due(measurement):
                 self._check_prediction(trainer)
 
     @override
@@ -173,6 +169,8 @@ class OSDPMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.abort()  # a step cut short by max_steps or a stop signal is not a step
+        if self.prediction_check is None and self.steps.measurements and trainer.is_global_zero:
+            self._check_prediction(trainer)  # a run shorter than the check's steps: checked on what it measured
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -194,7 +192,7 @@ class OSDPMonitor(Callback):
                 logger.log_metrics(metrics, step=trainer.global_step)
 
     def _check_prediction(self, trainer: pl.Trainer) -> None:
-        check = self.check_prediction()
+        check = self.announce_check()
         prediction = self.prediction()
         if check is None or prediction is None:
             return  # a plan given by hand has no prediction to check
@@ -206,16 +204,34 @@ class OSDPMonitor(Callback):
                 },
                 step=trainer.global_step,
             )
-        steps = f"steps 2-{CHECK_AFTER_STEPS} (median time)"
+
+    def announce_check(self) -> PredictionCheck | None:
+        """:meth:`check_prediction`, said on rank 0's log (a warning when the cost model missed): what both strategies
+        run after the first steps (``StepMonitor.check_after``), or at the end of a shorter run."""
+        check = self.check_prediction()
+        if check is None:
+            return None
+
+        def span(steps: list[int], what: str) -> list[str]:
+            if not steps:
+                return []
+            return [f"steps {steps[0]}-{steps[-1]} ({what})" if len(steps) > 1 else f"step {steps[0]} ({what})"]
+
+        measured = self.steps.measurements
+        steps = ", ".join(
+            span([m.step + 1 for m in measured if m.peak_memory_bytes is not None], "peak")
+            + span([m.step + 1 for m in measured[1:] if not m.tracked], "median time")
+        )
         if check.ok:
             rank_zero_info(f"OSDP: prediction held on rank 0 over {steps}: {check.message}")
         else:
             rank_zero_warn(f"OSDP: the cost model missed on rank 0 over {steps}: {check.message}")
+        return check
 
     def check_prediction(self) -> PredictionCheck | None:
         """The predicted peak memory and step time against the measured ones (``None`` without a profile to predict
         from). A measured peak over the budget records the miss as a correction (see the module docstring). Run once,
-        on rank 0, after the first :data:`CHECK_AFTER_STEPS` steps."""
+        on rank 0, after the first steps (``StepMonitor.check_after``), or at the end of a shorter run."""
         prediction = self.prediction()
         if prediction is None:
             return None

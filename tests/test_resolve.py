@@ -14,11 +14,11 @@ import torch
 
 from lightning_osdp import Plan, predict
 from lightning_osdp.checkpoint import PlanChoice
-from lightning_osdp.monitor import CHECK_AFTER_STEPS, OSDPMonitor
+from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import planned_budget, solve
 from lightning_osdp.solver.resolve import planned_for, resolve_plan
-from lightning_osdp.step_monitor import StepMeasurement
+from lightning_osdp.step_monitor import TIMED_STEPS, StepMeasurement, StepMonitor
 from lightning_osdp.topology import Topology
 
 from synthetic import gpt_profile
@@ -128,7 +128,7 @@ def test_a_corrected_profile_under_which_the_saved_plan_no_longer_fits_is_solved
 
 
 # ---------------------------------------------------------------------------------------------- the monitor
-def _monitor(tmp_path: Path, budget: int, peaks: list[int], seconds: float = 0.01) -> OSDPMonitor:
+def _monitor(tmp_path: Path, budget: int, peaks: list[int], seconds: float = 0.01, tracked: int = 0) -> OSDPMonitor:
     profile = gpt_profile()
     plan = solve(profile, "1GiB", HERE)
     monitor = OSDPMonitor(
@@ -139,20 +139,37 @@ def _monitor(tmp_path: Path, budget: int, peaks: list[int], seconds: float = 0.0
         memory_budget=budget,
         profile_file=profile.save(tmp_path / "plan.profile.json"),
     )
-    monitor.steps.measurements = [StepMeasurement(i, seconds, peak) for i, peak in enumerate(peaks)]
+    monitor.steps.measurements = [StepMeasurement(i, seconds, peak, i < tracked) for i, peak in enumerate(peaks)]
     return monitor
 
 
 def test_the_monitor_checks_the_prediction_against_the_measured_steps(tmp_path: Path) -> None:
-    probe = _monitor(tmp_path, BUDGET, [1] * CHECK_AFTER_STEPS)
+    steps = StepMonitor(torch.device("cpu")).check_after
+    probe = _monitor(tmp_path, BUDGET, [1] * steps)
     predicted = probe.prediction()
     assert predicted is not None
-    monitor = _monitor(tmp_path, BUDGET, [predicted.peak_bytes] * CHECK_AFTER_STEPS, predicted.step_seconds)
+    monitor = _monitor(tmp_path, BUDGET, [predicted.peak_bytes] * steps, predicted.step_seconds)
     check = monitor.check_prediction()
     assert check is not None and check.ok and check.memory_ratio == pytest.approx(1.0)
     assert monitor.prediction_check is check
     assert monitor.profile is not None and monitor.profile.measured_peak_correction == 0
     assert monitor.peak_memory_bytes == predicted.peak_bytes and monitor.step_time == predicted.step_seconds
+
+
+def test_steps_run_under_the_memory_tracker_are_not_timed(tmp_path: Path) -> None:
+    # The CPU's tracker runs every operator through Python: a tracked step's time is not a training step's, and the
+    # check waits for untracked ones (see step_monitor.py [Note: timed steps]).
+    steps = StepMonitor(torch.device("cpu"), memory_steps=3)
+    assert steps.check_after == 3 + TIMED_STEPS
+    assert StepMonitor(torch.device("cpu"), memory_steps=0).check_after == 1 + TIMED_STEPS
+    monitor = _monitor(tmp_path, BUDGET, [1, 1, 1], seconds=5.0, tracked=3)
+    assert monitor.step_time is None  # only tracked steps so far
+    monitor.steps.measurements += [StepMeasurement(3, 0.25, None), StepMeasurement(4, 0.75, None)]
+    assert monitor.step_time == pytest.approx(0.5)
+    check = monitor.check_prediction()
+    prediction = monitor.prediction()
+    assert check is not None and prediction is not None
+    assert check.time_ratio == pytest.approx(prediction.step_seconds / 0.5)
 
 
 def test_a_measured_peak_over_the_budget_is_recorded_as_a_correction_in_the_profile_file(tmp_path: Path) -> None:
