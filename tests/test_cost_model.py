@@ -107,6 +107,41 @@ def test_step_time_by_hand():
     assert ddp.step_seconds == pytest.approx(8e-3 + all_reduce + 60 / 1e6 + 6e-3)
 
 
+def test_accumulated_micro_batches_repeat_compute_gathers_and_hooks_but_not_reductions_or_the_optimizer():
+    # Two micro-batches per optimizer step (timeline.py [Note: gradient accumulation]); the figures of
+    # test_step_time_by_hand.
+    profile = dataclasses.replace(one_linear(), gradient_accumulation=2)
+    full = predict(profile, Plan({"": "no_shard", "a": "full_shard"}), config=CONFIG)
+    # The modules' 3 ms and the 4 ms outside them twice, the 1 ms training loop as configured.
+    assert full.compute_seconds == pytest.approx(2 * 7e-3 + 1e-3)
+    gather = 1e-3 + 80 / 1e6 + 5e-4
+    reduce = 2e-3 + 80 / 5e5 + 5e-4
+    assert full.communication_seconds == pytest.approx(4 * gather + reduce)
+    copies = 4 * (40 + 80) / 1e6 + 80 / 1e6
+    optimizer = 40 * 6e-3 / 60 + 2 * 2e-4
+    assert full.step_seconds == pytest.approx(15e-3 + 4 * gather + reduce + copies + optimizer + 2 * 1e-4)
+    ddp = predict(profile, Plan({"": "no_shard", "a": "no_shard"}), config=CONFIG)
+    all_reduce = 60 / 2e6 + (5e-4 + 5e-4) * 60 / 120
+    assert ddp.step_seconds == pytest.approx(15e-3 + all_reduce + 60 / 1e6 + 6e-3)
+
+
+def test_the_training_loop_is_priced_by_the_calls_the_step_made():
+    from lightning_osdp.cost_model.config import loop_seconds
+    from lightning_osdp.profiling.model_profile import StepCalls
+
+    quiet = dataclasses.replace(one_linear(), step_calls=StepCalls())
+    logging = dataclasses.replace(one_linear(), step_calls=StepCalls(logged=3, synced=1, gathered=1))
+    # Each value logged and each collective costs time; the synced one its all-reduce too (fit: 2 ms of latency).
+    assert loop_seconds(logging) > loop_seconds(quiet) + 2e-3
+    accumulating = dataclasses.replace(logging, gradient_accumulation=2)
+    assert loop_seconds(accumulating) == pytest.approx(2 * loop_seconds(logging))
+    # The loop is in the step's constant overhead when the configuration does not fix it.
+    free = CostModelConfig(**{**dataclasses.asdict(CONFIG), "framework_seconds": None})
+    plan = Plan({"": "no_shard", "a": "no_shard"})
+    difference = predict(logging, plan, config=free).step_seconds - predict(quiet, plan, config=free).step_seconds
+    assert difference == pytest.approx(loop_seconds(logging) - loop_seconds(quiet))
+
+
 def test_padding_follows_fsdp2_dim0_rule():
     # 5 rows on 4 ranks: chunks of ceil(5/4) = 2 rows, padded to 8 rows in all.
     p = ParamSpec(rows=5, row_numel=3, itemsize=4, trainable=True)

@@ -24,9 +24,13 @@ __all__ = ["CostModelConfig", "ResolvedConfig"]
 #   the ranks enter together, in training the faster rank waits for the slower one (FSDP2's all-gather and
 #   reduce-scatter ranges in torch.profiler traces run 1-3 ms over the fit; end-to-end, 2 ms per call fits the
 #   all-no_shard, all-shard_grad_op and all-full_shard step times, which have 5, 10 and 15 calls).
-# * Lightning's loop around a step (closure, hooks, `self.log(..., sync_dist=True)`'s all-reduces, the optimizer
-#   wrapper) costs ~12-14 ms per step on top of the profiled step (a width-8 GPT under OSDPStrategy: 21-24 ms
-#   measured for 9.7 ms predicted without it, in every mode). The profile runs the step outside Lightning.
+# * Lightning's loop around a step (closure, hooks, `zero_grad`, the optimizer wrapper) costs ~0.5 ms of host time
+#   per micro-batch, each value the step logs ~0.4 ms more, and one logged with `sync_dist=True` ~0.6 ms more beside
+#   its all-reduce (priced by the profile's fit): a `Linear(4, 4)` under Lightning's DDP on 2 ranks, 200 steps, CPU
+#   time of the steps against the same step run bare, with 0 and 3 values logged each way. The profile runs the
+#   step outside Lightning and counts those calls instead (`ModelProfile.step_calls`). An earlier constant of 12 ms
+#   had been fitted on steps timed under the memory tracker (`lightning_osdp/step_monitor.py` [Note: timed
+#   steps]), whose Python per operator it mostly was.
 # * Without a measured optimizer step: single-tensor AdamW at ~2.2 s per GB of parameters.
 #
 # [Note: the target's figures]
@@ -72,7 +76,11 @@ _CPU_COLLECTIVE_SYNC_SECONDS = 2e-3
 _DEFAULT_DEVICE_COPY_BYTES_PER_SECOND = 0.8e12
 # DDP's `bucket_cap_mb` default (25 MiB); its first bucket is smaller (1 MiB), which the model ignores.
 _DDP_BUCKET_BYTES = 25 * 2**20
-_CPU_FRAMEWORK_SECONDS = 12e-3
+_CPU_LOOP_SECONDS = 0.5e-3
+_CPU_LOG_SECONDS = 0.4e-3
+_CPU_SYNC_SECONDS = 0.6e-3
+# A CPU profile without counted calls (an earlier version's): the loop with two values logged, one synced.
+_CPU_FRAMEWORK_SECONDS = _CPU_LOOP_SECONDS + 2 * _CPU_LOG_SECONDS + _CPU_SYNC_SECONDS
 # NOTE: not measured on CUDA; Lightning's loop is the same Python, the collectives behind `sync_dist` are faster.
 _CUDA_FRAMEWORK_SECONDS = 5e-3
 
@@ -103,8 +111,8 @@ class CostModelConfig:
             compute, optimizer dispatch against its optimizer kernels). ``None``: 0 on CPU (host and device are
             the same cores) and 1 on CUDA (kernels run asynchronously; see [Note: the target's figures]).
         framework_seconds: per-step time of the training loop around the profiled step (Lightning's closure and
-            hooks, logging with ``sync_dist``). ``None``: ``profile.framework_seconds`` when measured,
-            else 12 ms on CPU, 5 ms on CUDA.
+            hooks, logging with ``sync_dist``). ``None``: ``profile.framework_seconds`` when measured, else on CPU
+            the loop and the step's counted calls (:func:`loop_seconds`), else 5 ms on CUDA.
         split_overhead_seconds: extra cost per additional slice of a split Linear (a matmul call forward and
             backward, and its slice's hooks beyond ``unit_overhead_seconds``).
         optimizer_temporaries: temporaries of the optimizer step, as multiples of the largest local parameter
@@ -164,12 +172,13 @@ class CostModelConfig:
         temporaries = self.optimizer_temporaries
         if temporaries is None:
             temporaries = _OPTIMIZER_TEMPORARIES.get(profile.optimizer, 0.0)
-        constant = max(profile.step_overhead_seconds - measured_optimizer, 0.0)
+        # The loss and the rest of the step outside modules run once per micro-batch, the optimizer step once.
+        constant = max(profile.step_overhead_seconds - measured_optimizer, 0.0) * max(profile.gradient_accumulation, 1)
         framework = self.framework_seconds
         if framework is None:
             framework = profile.framework_seconds
         if framework is None:
-            framework = _CPU_FRAMEWORK_SECONDS if on_cpu else _CUDA_FRAMEWORK_SECONDS
+            framework = loop_seconds(profile) if on_cpu else _CUDA_FRAMEWORK_SECONDS
         return ResolvedConfig(
             overlap=float(overlap),
             copy_bytes_per_second=float(copy_rate),
@@ -192,6 +201,22 @@ class CostModelConfig:
                 else self.release_all_gather_after_forward
             ),
         )
+
+
+def loop_seconds(profile: ModelProfile) -> float:
+    """Host time per optimizer step of Lightning's loop around a profiled CPU step: the loop itself and the values
+    the step logs, per micro-batch, and the collectives ``sync_dist`` and ``self.all_gather`` make (their fits,
+    within a node). See [Note: calibration]."""
+    calls = profile.step_calls
+    if calls is None:
+        return _CPU_FRAMEWORK_SECONDS
+    seconds = _CPU_LOOP_SECONDS + calls.logged * _CPU_LOG_SECONDS + calls.synced * _CPU_SYNC_SECONDS
+    reduce, gather = profile.collectives.get("all_reduce"), profile.collectives.get("all_gather")
+    if reduce is not None:
+        seconds += calls.synced * reduce.seconds(4)
+    if gather is not None:
+        seconds += calls.gathered * gather.seconds(4 * profile.world_size)
+    return seconds * max(profile.gradient_accumulation, 1)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ solver choose each segment's option independently and still model the chain exac
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -85,7 +86,10 @@ class ModelInfo:
         self.world_size = self.topology.world_size
         self.network = Network(profile, self.topology)
         self.config = config
-        self.modules = profile.modules
+        #: Micro-batches per optimizer step: each runs every module's forward and backward, and so its time (see
+        #: ``timeline.py`` [Note: gradient accumulation]).
+        self.micro_batches = max(profile.gradient_accumulation, 1)
+        self.modules = _repeated(profile.modules, self.micro_batches)
         ran: dict[str, int] = {}
         for i, name in enumerate(profile.forward_order):
             ran.setdefault(name, i)
@@ -336,6 +340,23 @@ class Structure:
     globals_bound_pending: int = 0
 
 
+def _repeated(modules: dict[str, ModuleProfile], micro_batches: int) -> dict[str, ModuleProfile]:
+    """``modules`` with the times of ``micro_batches`` forward and backward passes (their bytes are one's)."""
+    if micro_batches == 1:
+        return modules
+    return {
+        name: dataclasses.replace(
+            mp,
+            fwd_seconds=mp.fwd_seconds * micro_batches,
+            bwd_seconds=mp.bwd_seconds * micro_batches,
+            selective_replay_seconds=(
+                None if mp.selective_replay_seconds is None else mp.selective_replay_seconds * micro_batches
+            ),
+        )
+        for name, mp in modules.items()
+    }
+
+
 def unit_time(
     info: ModelInfo, b: UnitBytes, compute: float, *, before_compute: bool = False, after_compute: bool = False
 ) -> UnitTime:
@@ -357,10 +378,11 @@ def unit_time(
         return UnitTime(compute=compute)
     sync = cfg.collective_sync_seconds if ws > 1 else 0.0
     unoverlapped = 0.0
+    micro_batches = info.micro_batches  # ``compute`` is already theirs; gathers and hooks run in each
     if b.sharded:
         group = topo.shard_group if b.mode == "hybrid_shard" else topo.world
         call_sync = sync if group.size > 1 else 0.0
-        gathers = 2 if b.reshards_after_forward else 1
+        gathers = micro_batches * (2 if b.reshards_after_forward else 1)
         comm = gathers * (net.seconds("all_gather", b.flat, group) + call_sync)
         if before_compute:
             unoverlapped += comm
@@ -407,7 +429,7 @@ def unit_time(
     # Host work (hooks; DTensor dispatch of the optimizer) costs what the device work it overlaps does not hide.
     optimizer = b.grad * cfg.optimizer_seconds_per_byte
     dispatch = b.n_trainable * cfg.optimizer_seconds_per_tensor
-    hooks = cfg.unit_overhead_seconds + b.n_params * cfg.tensor_overhead_seconds
+    hooks = micro_batches * (cfg.unit_overhead_seconds + b.n_params * cfg.tensor_overhead_seconds)
     return UnitTime(
         communication=comm,
         exposed=exposed,
@@ -533,6 +555,7 @@ class _SegmentBuilder:
             )
             # Each extra slice is one more matmul call and its hooks; torch.cat copies the output once.
             extra = info.config.split_overhead_seconds + mp.output_bytes * share / info.config.copy_bytes_per_second
+            extra *= info.micro_batches
             u.time = u.time + UnitTime(overhead=extra)
             self.slice_index[dname].append(len(self.units))
             self.units.append(u)

@@ -88,6 +88,9 @@ held from its start (``OutsideModules.held_gradients``, the profile's gradient b
 gradients the last micro-batch produces are then counted once more where the walk produces them, although autograd
 adds them into the held ones: an upper bound by one backward's transient gradients, not a miss (a litgpt model
 accumulating 2 micro-batches measured its peak one whole gradient above the walk without this).
+The step's time is k micro-batches': every module's forward, backward and recomputation k times
+(``ModelInfo.modules``), and each unit's all-gathers and hooks k times, but its gradient reduction and the optimizer
+step once (``structure.unit_time``); the loop's own time per micro-batch (``config.loop_seconds``).
 """
 
 from __future__ import annotations

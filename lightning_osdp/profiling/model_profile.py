@@ -18,7 +18,15 @@ from typing import Any
 
 from lightning_osdp.profiling.rates import DeviceRates
 
-__all__ = ["PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveFit", "LossMemory", "ModelProfile", "ModuleProfile"]
+__all__ = [
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "CollectiveFit",
+    "LossMemory",
+    "ModelProfile",
+    "ModuleProfile",
+    "StepCalls",
+]
 
 PROFILE_FORMAT = "lightning_osdp.profile"
 #: ``version`` field of a profile file this release writes; it reads this one and every earlier one (see
@@ -47,6 +55,8 @@ _READS_VERSIONS = (1, 2, 3, 4, 5, PROFILE_VERSION)
 # were made.
 # Version 6 adds ``ModuleProfile.fwd_causal_skipped_flops`` (the forward FLOPs causal attention skips, for an MFU that
 # counts it in full). An earlier file reads with 0: both MFU conventions then read its FLOPs as traced.
+# Version 6 also adds ``step_calls`` (the step's ``self.log`` values and collectives, which the cost model prices as
+# the training loop's time around the step). An earlier file reads with ``None``: the loop at the device's constant.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -160,6 +170,23 @@ class CollectiveFit:
         return self.alpha_seconds + nbytes / self.beta_bytes_per_second
 
 
+@dataclass(frozen=True)
+class StepCalls:
+    """What one profiled ``training_step`` asked of Lightning beyond its tensors, counted while it ran on the copy
+    (where those calls do nothing, ``lightning_osdp/profiling/step.py`` [Note: logging while profiling]): the cost
+    model prices them as the training loop's time around the step (``lightning_osdp/cost_model/config.py``).
+
+    Attributes:
+        logged: values logged (``self.log`` calls, and each entry of ``self.log_dict``).
+        synced: of those, the ones logged with ``sync_dist=True`` (an all-reduce each).
+        gathered: tensors gathered by ``self.all_gather`` (an all-gather each).
+    """
+
+    logged: int = 0
+    synced: int = 0
+    gathered: int = 0
+
+
 @dataclass
 class LossMemory:
     """The memory of a step's *loss region*: from the instant the model's last call returns (its output, the logits,
@@ -238,6 +265,8 @@ class ModelProfile:
         measured_peak_correction: bytes a run measured above its plan's predicted peak when that peak went over the
             memory budget (recorded by ``OSDPStrategy`` at its first check, see ``docs/how-it-works.md``); the cost
             model holds them for the whole step, so that a plan made from this profile keeps them free.
+        step_calls: the step's logging and gathering calls (:class:`StepCalls`), counted by the profile (none for a
+            plain module's ``forward``); ``None`` in a profile from before version 6.
         gradient_accumulation: micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``, set by
             ``OSDPStrategy``): above 1, every unit holds its unsharded gradients from the first micro-batch's
             backward to the last one's reduction (see ``lightning_osdp/cost_model/timeline.py`` [Note: gradient
@@ -268,6 +297,7 @@ class ModelProfile:
     loss: LossMemory | None = None
     measured_peak_correction: int = 0
     gradient_accumulation: int = 1
+    step_calls: StepCalls | None = None
 
     def __str__(self) -> str:
         """The profile as a plain-text table (:func:`~lightning_osdp.profiling.report.format_profile`)."""
@@ -301,7 +331,9 @@ class ModelProfile:
         inter_node = _fits(body.pop("inter_node_collectives", {}))
         rates = body.pop("rates", None)
         loss = body.pop("loss", None)
+        calls = body.pop("step_calls", None)
         return cls(
+            step_calls=StepCalls(**calls) if calls is not None else None,
             modules=modules,
             collectives=collectives,
             inter_node_collectives=inter_node,

@@ -691,6 +691,7 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
         forward_order=record.forward_order,
         copy_bytes_per_second=copy_rate,
         loss=session.loss_memory,
+        step_calls=runner.calls,
     )
     info["step_peak_bytes"] = session.peak_bytes  # the copy's steady-state step, the model's copy included
     return _Traced(result, record, session, session.peak_bytes, selective)

@@ -27,11 +27,12 @@ forward (a GAN's); the loss region is measured around the first backward.
 [Note: logging while profiling]
 ``LightningModule.log`` is replaced by a no-op on the module being profiled: with a trainer attached and no loop
 running, Lightning raises ("the loop's result collection is not registered"), and ``sync_dist=True`` would issue a
-collective on one rank's schedule. The time a real step spends logging is therefore not in the profile. For the same
-reason ``self.all_gather`` gathers locally (this rank's tensors stacked ``world_size`` times: the shape and bytes of
-Lightning's result, no collective: the ranks profile on their own schedules, and fake tensors cannot be sent), and
-``self.print`` and the step's own ``print`` calls are silenced: the profiled step runs several times on a copy, and
-its output (on fake tensors, the stand-in values of ``values.py``) is not the run's.
+collective on one rank's schedule. The time a real step spends logging is therefore not in the profile's timings:
+the calls are counted instead (``StepRunner.calls``, the profile's ``step_calls``) and the cost model prices them.
+For the same reason ``self.all_gather`` gathers locally (this rank's tensors stacked ``world_size`` times: the shape
+and bytes of Lightning's result, no collective: the ranks profile on their own schedules, and fake tensors cannot be
+sent), and ``self.print`` and the step's own ``print`` calls are silenced: the profiled step runs several times on a
+copy, and its output (on fake tensors, the stand-in values of ``values.py``) is not the run's.
 
 [Note: metrics on fake tensors]
 In estimated mode the step runs on fake tensors, where code that branches on tensor values cannot run, and
@@ -55,6 +56,7 @@ from torch import Tensor, nn
 
 from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.profiling.errors import ProfilingError
+from lightning_osdp.profiling.model_profile import StepCalls
 
 __all__ = ["ProfiledOptimizer", "StepRunner", "describe_batch", "is_lightning_module"]
 
@@ -160,6 +162,9 @@ class StepRunner:
         self.manual = self.training_step and not getattr(module, "automatic_optimization", True)
         #: ``training_step``'s return value, kept until :meth:`release`
         self.output: Any = None
+        #: The last step's calls to ``self.log``, ``self.log_dict`` and ``self.all_gather`` (see [Note: logging while
+        #: profiling]).
+        self.calls = StepCalls()
 
     @contextmanager
     def quiet_logging(self) -> Iterator[None]:
@@ -180,7 +185,17 @@ class StepRunner:
 
             return tree_map(gather, data)
 
-        patches = {"log": _no_op, "log_dict": _no_op, "print": _no_op, "all_gather": all_gather}
+        def log(name: str, value: Any, *args: Any, sync_dist: bool = False, **kwargs: Any) -> None:
+            self._count(logged=1, synced=int(sync_dist))
+
+        def log_dict(dictionary: Mapping[str, Any], *args: Any, sync_dist: bool = False, **kwargs: Any) -> None:
+            self._count(logged=len(dictionary), synced=len(dictionary) if sync_dist else 0)
+
+        def gather(data: Any, group: Any = None, sync_grads: bool = False) -> Any:
+            self._count(gathered=sum(1 for _ in tree_leaves(data)))
+            return all_gather(data, group, sync_grads)
+
+        patches = {"log": log, "log_dict": log_dict, "print": _no_op, "all_gather": gather}
         patched = [attr for attr in patches if attr not in vars(self.module)]
         for attr in patched:
             setattr(self.module, attr, patches[attr])
@@ -310,7 +325,12 @@ class StepRunner:
         """Drop the step's output (at the end of the step)."""
         self.output = None
 
+    def _count(self, logged: int = 0, synced: int = 0, gathered: int = 0) -> None:
+        calls = self.calls
+        self.calls = StepCalls(calls.logged + logged, calls.synced + synced, calls.gathered + gathered)
+
     def _loss(self) -> Tensor | None:
+        self.calls = StepCalls()  # this step's (the profiler runs the step several times)
         if self.training_step:
             output = self.output = self.module.training_step(self.batch, 0)  # type: ignore[operator]
             if self.manual:
