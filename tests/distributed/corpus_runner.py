@@ -9,6 +9,7 @@ built on meta, the pretrained folder DDP loads too). Each case writes ``OUT_DIR/
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 import warnings
@@ -78,7 +79,8 @@ def run(spec: str, out: Path) -> None:
         budget = budgets(case)[kind]
         strategy = OSDPStrategy(memory_budget=budget, pretrained=folder)
     L.seed_everything(0, workers=True)
-    trainer = quiet_trainer(strategy, max_epochs=2, deterministic=True, default_root_dir=out, **case.trainer)
+    epochs = int(os.environ.get("CORPUS_EPOCHS", "2"))  # benchmarks/user_corpus.py runs more, for timed steps
+    trainer = quiet_trainer(strategy, max_epochs=epochs, deterministic=True, default_root_dir=out, **case.trainer)
     with trainer.init_module(empty_init=case.meta and kind != "ddp"):
         model = case.build()
     if folder is not None and kind == "ddp":
@@ -97,6 +99,9 @@ def run(spec: str, out: Path) -> None:
     else:
         state = {k: v.float() for k, v in trainer.strategy.full_model_state_dict().items()}
     check = getattr(trainer.strategy, "prediction_check", None)
+    monitor = getattr(trainer.strategy, "monitor", None)
+    profiled = getattr(trainer.strategy, "profile", None)
+    predicted = predict(profiled, trainer.strategy.plan, dist.get_world_size()) if profiled else None
     result = {
         "losses": list(model.losses),
         "state": state if dist.get_rank() == 0 else None,
@@ -110,6 +115,8 @@ def run(spec: str, out: Path) -> None:
         "memory_ratio": check.memory_ratio if check is not None else None,  # predicted / measured
         "time_ratio": check.time_ratio if check is not None else None,
         "step_time": getattr(trainer.strategy, "step_time", None),
+        "predicted_step_time": predicted.step_seconds if predicted is not None else None,
+        "timed_steps": sum(not m.tracked for m in monitor.measurements[1:]) if monitor is not None else 0,
         "fit_seconds": seconds,
         "warnings": [str(w.message) for w in caught if "OSDP" in str(w.message)],
     }
