@@ -435,7 +435,7 @@ def _draw_strip(ax: Any, side: PlotSide) -> None:
     ax.legend(
         handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.02), ncol=len(handles), fontsize=8, frameon=False
     )
-    ax.set_title(f"{side.name}'s units in forward order", fontsize=9, loc="left", pad=4)
+    ax.set_title(f"{side.name}: units in forward order", fontsize=9, loc="left", pad=4)
 
 
 def _strip_ticks(n: int) -> list[int]:
@@ -457,7 +457,7 @@ def _draw_runs(ax: Any, side: PlotSide) -> None:
     if len(labels) > room:
         labels = [*labels[: room - 1], f"... and {len(labels) - room + 1} more runs (osdp show lists every unit)"]
     per_column = -(-len(labels) // columns)
-    heading = f"{side.name}'s plan, identical consecutive blocks folded: {len(runs)} runs"
+    heading = f"{side.name}: identical consecutive units folded, {len(runs)} runs"
     ax.text(0.0, 1.0, heading, fontsize=9, va="top", ha="left", transform=ax.transAxes)
     for c in range(columns):
         ax.text(

@@ -123,7 +123,7 @@ def plot(saved: SavedPlanFile, prediction: Prediction, world_size: int, path: st
     profile = saved.profile
     assert profile is not None
     sides = [
-        PlotSide("plan", saved.plan, prediction),
+        PlotSide("saved plan", saved.plan, prediction),
         *fsdp_sides(saved.plan, lambda p: predict(profile, p, world_size)),
     ]
     dry = saved.plan.info.get("dry_run")
