@@ -67,7 +67,7 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp, _Stateful
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -99,7 +99,7 @@ from lightning_osdp.topology import Meshes, Topology, build_meshes
 __all__ = ["OSDPFabricModule", "OSDPFabricStrategy"]
 
 #: Where the first forward's batch is said to come from, in the profile and the plan's printout.
-_BATCH_SOURCE = "the first training forward's arguments (Fabric)"
+_BATCH_SOURCE = "the first {kind}forward's arguments (Fabric)"
 
 
 class OSDPFabricModule(nn.Module):
@@ -153,6 +153,7 @@ class OSDPFabricModule(nn.Module):
             object.__setattr__(self, "_pause", stack)
             try:
                 if self.root is not None:
+                    self._strategy._accumulating()
                     stack.enter_context(no_gradient_sync(self.root))
                 yield
             finally:
@@ -256,6 +257,7 @@ class OSDPFabricStrategy(ParallelStrategy):
         self._profile_file: Path | None = None
         self._monitor: OSDPMonitor | None = None
         self._optimizers: list[Optimizer] = []
+        self._said_accumulating = False
         self._backward_sync_control = _PausedSync()
 
     # ------------------------------------------------------------------ what users read
@@ -490,7 +492,7 @@ class OSDPFabricStrategy(ParallelStrategy):
                 lambda: planner.profile_batch(
                     module,
                     batch,
-                    source=_BATCH_SOURCE,
+                    source=_BATCH_SOURCE.format(kind="training " if torch.is_grad_enabled() else "(gradient-free) "),
                     step="forward",
                     accumulation=2 if model._pause is not None else 1,
                     optimizer=optimizers or None,
@@ -543,6 +545,19 @@ class OSDPFabricStrategy(ParallelStrategy):
         log.finish()
 
     # ------------------------------------------------------------------ steps
+    def _accumulating(self) -> None:
+        """Told when ``no_backward_sync`` pauses a planned model: a plan solved without accumulation (its first forward
+        ran outside the context, a validation's say) left the gradients held between micro-batches out; said once."""
+        profile = self._profile
+        if profile is not None and profile.gradient_accumulation == 1 and not self._said_accumulating:
+            self._said_accumulating = True
+            rank_zero_warn(
+                "OSDP: the plan was solved from a first forward outside fabric.no_backward_sync, so its prediction "
+                "leaves out the unsharded gradients accumulation holds between micro-batches; the step monitor "
+                "measures them and reports the peak against the budget after the first steps (memory_headroom is "
+                "the margin meanwhile; a first training forward inside no_backward_sync plans for them)"
+            )
+
     def _step_started(self, root: nn.Module) -> None:
         if self._monitor is not None and not self._monitor.steps.running:
             self._monitor.steps.start(root, *self._optimizers)
