@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from lightning_osdp.profiling.optimizer_state import OptimizerSpec
 
-__all__ = ["PlannerOptions", "RunPlanner", "largest_batch", "representative_batch"]
+__all__ = ["PlannerOptions", "RunPlanner", "accumulation_of", "largest_batch", "representative_batch"]
 
 
 #: How many batches of the train dataloader each rank looks at for the largest (see :func:`largest_batch`).
@@ -49,6 +49,13 @@ SCANNED_BATCHES = 32
 
 def _tensor_bytes(batch: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+
+
+def accumulation_of(trainer: pl.Trainer, module: pl.LightningModule) -> int:
+    """Micro-batches per optimizer step of ``trainer``'s fit: an accumulating step holds every unit's unsharded
+    gradients between its micro-batches (the cost model's [Note: gradient accumulation]); a manual step accumulates as
+    it likes, which the profile cannot know (1)."""
+    return int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if module.automatic_optimization else 1
 
 
 def largest_batch(loader: Iterable[Any], scanned: int = SCANNED_BATCHES) -> tuple[Any, int, int]:
@@ -158,6 +165,7 @@ class RunPlanner:
             given=given,
             resumed=self._resumed(trainer, module),
             profile=lambda: self._profile(trainer, module, to_device),
+            accumulation=accumulation_of(trainer, module),
             # `trainer.log_dir` is a collective (a broadcast): every rank asks, rank 0 writes.
             plan_file=lambda: self.plan_out or Path(trainer.log_dir or trainer.default_root_dir) / "osdp_plan.json",
         )
@@ -169,10 +177,12 @@ class RunPlanner:
         resumed: osdp_checkpoint.PlanChoice | None,
         profile: Callable[[], ModelProfile],
         plan_file: Callable[[], Path | None],
+        accumulation: int | None = None,
     ) -> Resolution:
         """:meth:`resolve` for any front door: ``profile`` profiles the model (a collective, e.g.
         :meth:`profile_batch`), ``plan_file`` says where a plan solved here is saved (called on every rank; ``None``:
-        printed only). Fabric's strategy calls this with the first forward's batch and no checkpoint."""
+        printed only); ``accumulation``: the run's micro-batches per optimizer step, against a resumed plan's. Fabric's
+        strategy calls this with the first forward's batch and no checkpoint."""
         resolution = resolve_plan(
             given=given,
             resumed=resumed,
@@ -184,6 +194,7 @@ class RunPlanner:
                 done=lambda plan: f"{_solved(plan)} under {format_bytes(self.budget)} per device",
             ),
             profile=lambda: self.log.timed("profiling the model", profile, done=_profiled),
+            accumulation=accumulation,
         )
         for message in resolution.messages:
             rank_zero_info(f"OSDP: {message}")
@@ -241,10 +252,9 @@ class RunPlanner:
         """Profile on the representative batch (a collective: every rank profiles its replica, rank 0's figures are
         broadcast so that all plan alike)."""
         batch, source, step = representative_batch(trainer, module, to_device)
-        # An accumulating step holds every unit's unsharded gradients between its micro-batches (the cost model's
-        # [Note: gradient accumulation]); a manual step accumulates as it likes, which the profile cannot know.
-        accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if module.automatic_optimization else 1
-        return self.profile_batch(module, batch, source=source, step=step, accumulation=accumulation)
+        return self.profile_batch(
+            module, batch, source=source, step=step, accumulation=accumulation_of(trainer, module)
+        )
 
     def profile_batch(
         self,

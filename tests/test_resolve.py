@@ -46,7 +46,9 @@ class Calls:
     def fits(self, profile: ModelProfile, plan: Plan) -> bool:
         return predict(profile, plan, HERE).peak_bytes <= planned_budget(BUDGET)
 
-    def resolve(self, given: Plan | None = None, resumed: Any = None, topology: Topology = HERE) -> Any:
+    def resolve(
+        self, given: Plan | None = None, resumed: Any = None, topology: Topology = HERE, accumulation: int | None = None
+    ) -> Any:
         return resolve_plan(
             given=given,
             resumed=resumed,
@@ -54,6 +56,7 @@ class Calls:
             fits=self.fits,
             solve=self.solve,
             profile=self.profile_model,
+            accumulation=accumulation,
         )
 
 
@@ -125,6 +128,18 @@ def test_a_corrected_profile_under_which_the_saved_plan_no_longer_fits_is_solved
     assert resolution.source == "corrected" and calls.profiled == 0
     assert [p.measured_peak_correction for p in calls.solved] == [corrected.measured_peak_correction]
     assert "went over its budget when it ran" in resolution.messages[-1]
+
+
+def test_a_checkpoint_plan_made_for_other_micro_batches_is_solved_again_from_its_profile(calls: Calls) -> None:
+    plan = _saved_plan(calls)
+    saved = calls.profile.to_dict()
+    same = calls.resolve(resumed=PlanChoice(plan, saved, "reusing ..."), accumulation=1)
+    assert same.plan is plan and same.source == "checkpoint"
+    resolution = calls.resolve(resumed=PlanChoice(plan, saved, "reusing ..."), accumulation=4)
+    assert resolution.source == "corrected" and calls.profiled == 0
+    assert [p.gradient_accumulation for p in calls.solved] == [4]
+    assert resolution.profile is not None and resolution.profile.gradient_accumulation == 4
+    assert "made for 1 micro-batch(es) per optimizer step and this run accumulates 4" in resolution.messages[-1]
 
 
 # ---------------------------------------------------------------------------------------------- the monitor

@@ -10,12 +10,15 @@ callables (how to profile the model, how to solve a profile), so that every bran
    model: ``lightning_osdp.checkpoint.resume_plan``) *and* it was made for this run's topology (nodes and shard
    groups; a plan solved on one node is not the plan of two);
 3. such a plan whose profile carries a measured correction (a run of it went over its budget) under which it no longer
-   fits is replaced by a plan solved from the checkpoint's profile, with the correction: no profiling;
+   fits, or one made for another number of micro-batches per optimizer step (``accumulate_grad_batches`` changed:
+   the gradients held between them and the step's time change), is replaced by a plan solved from the checkpoint's
+   profile, with the correction and this run's micro-batches: no profiling;
 4. otherwise the model is profiled and solved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -48,8 +51,8 @@ class Resolution:
 
     Attributes:
         plan: the plan.
-        source: ``"given"``, ``"checkpoint"``, ``"corrected"`` (solved again from the checkpoint's corrected profile)
-            or ``"solved"`` (profiled and solved in this run).
+        source: ``"given"``, ``"checkpoint"``, ``"corrected"`` (solved again from the checkpoint's profile: with its
+            measured correction, or this run's micro-batches) or ``"solved"`` (profiled and solved in this run).
         profile: the profile the plan was solved from (``None`` for a given plan, or a checkpoint without one).
         messages: what the run should log, in order (why a checkpoint's plan was or was not reused).
     """
@@ -84,6 +87,7 @@ def resolve_plan(
     fits: Callable[[ModelProfile, Plan], bool],
     solve: Callable[[ModelProfile], Plan],
     profile: Callable[[], ModelProfile],
+    accumulation: int | None = None,
 ) -> Resolution:
     """The plan to train under (see the module docstring for the order of the branches).
 
@@ -94,6 +98,7 @@ def resolve_plan(
         fits: whether a plan's predicted peak, from a profile, is within the planned budget.
         solve: the planning policy on a profile (``solver.plan_model`` with the run's options).
         profile: profiles the model (a collective when several ranks run).
+        accumulation: this run's micro-batches per optimizer step (``None``: as the checkpoint's profile says).
     """
     if given is not None:
         return Resolution(given, "given", None)
@@ -110,6 +115,17 @@ def resolve_plan(
             messages.append(resumed.reason)
             if resumed.plan is not None:
                 saved_profile = ModelProfile.from_dict(resumed.profile) if resumed.profile else None
+                if (
+                    saved_profile is not None
+                    and accumulation is not None
+                    and saved_profile.gradient_accumulation != accumulation
+                ):
+                    messages.append(
+                        f"the checkpoint's plan was made for {saved_profile.gradient_accumulation} micro-batch(es) per "
+                        f"optimizer step and this run accumulates {accumulation}: planning again from the saved profile"
+                    )
+                    replanned = dataclasses.replace(saved_profile, gradient_accumulation=accumulation)
+                    return Resolution(solve(replanned), "corrected", replanned, messages)
                 if saved_profile is None or saved_profile.measured_peak_correction <= 0:
                     return Resolution(resumed.plan, "checkpoint", saved_profile, messages)
                 if fits(saved_profile, resumed.plan):
