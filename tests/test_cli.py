@@ -395,11 +395,29 @@ def test_plan_on_several_nodes_reads_in_the_units_published_runs_compare(capsys:
     assert sum(int(cells[1][1:]) if cells[1].startswith("x") else 1 for cells in folded) == 6
     every = [line.split()[0] for line in flash_out.splitlines() if line.startswith("model.blocks.")]
     assert every == [f"model.blocks.{i}" for i in range(6)]
+    # Every column is explained below its table.
+    legend = ("units: ", "kept: ", "gathered: ", "comm ms: ", "added ms: ", "tokens/s/GPU: ", "+AC: ", "+SAC: ")
+    assert all(f" {name}" in out or f"\n{name}" in out for name in legend), legend
     # One compute figure: the plan's summary gives the step-parts table's.
     summary = re.search(r"predicted step [0-9.,]+ ms \(compute ([0-9.]+),", out)
     assert summary is not None and float(summary.group(1)) == pytest.approx(
         float(step_parts(out)["OSDP"]["compute"].replace(",", "")), abs=0.05
     )
+
+
+def test_the_plan_table_and_the_comparison_count_decisions_in_one_vocabulary() -> None:
+    from lightning_osdp import Decision
+    from lightning_osdp.solver.report import decision_counts
+
+    plan = Plan(
+        {
+            "": "no_shard",
+            "blocks.0": Decision("full_shard", recompute="full"),
+            "blocks.1": Decision("full_shard", split=2, recompute="selective"),
+            "blocks.2": "hybrid_shard",
+        }
+    )
+    assert decision_counts(plan) == "1 no_shard, 2 full_shard, 1 hybrid_shard, 1 split, 1 AC, 1 SAC"
 
 
 def test_the_mfu_counts_causal_attention_in_full_or_at_its_work_by_convention() -> None:

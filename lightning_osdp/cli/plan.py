@@ -53,6 +53,7 @@ from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, PlannerOptions, planned_budget
+from lightning_osdp.solver.report import decision_counts
 from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "MFU_CONVENTIONS", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
@@ -447,20 +448,6 @@ def _rates(run: DryRun, batch_size: int, seconds: float | None) -> list[str]:
     return [samples, f"{batch_size * run.tokens_per_sample / seconds:,.0f}" if seconds else "-"]
 
 
-def _plan_modes(plan: Plan) -> str:
-    """A plan's decisions by mode, with its splits and recomputations in the comparison's words (AC, SAC)."""
-    decisions = list(plan.decisions.values())
-    parts = [f"{n} {m}" for m in MODES if (n := sum(d.mode == m for d in decisions))]
-    for label, count in (
-        ("split", sum(d.split > 1 for d in decisions)),
-        ("AC", sum(d.recompute == "full" for d in decisions)),
-        ("SAC", sum(d.recompute == "selective" for d in decisions)),
-    ):
-        if count:
-            parts.append(f"{count} {label}")
-    return ", ".join(parts)
-
-
 def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[str]]:
     table = []
     none = ["-"] * len(_rates(run, 1, None))
@@ -468,7 +455,7 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
         p = row.prediction
         fits = p.peak_bytes <= run.planned_budget
         # A baseline's name says how its blocks recompute (+AC, +SAC); its modes column, the one mode of its units.
-        modes = _plan_modes(row.plan) if row.name == "OSDP" else f"all {row.plan.decisions[''].mode}"
+        modes = decision_counts(row.plan) if row.name == "OSDP" else f"all {row.plan.decisions[''].mode}"
         if row.max_batch is None:
             largest, at_max, rates = "-", "-", none
         elif row.max_batch == 0:

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.cost_model.prediction import Prediction
-from lightning_osdp.plan import Plan
+from lightning_osdp.plan import MODES, Plan
 
-__all__ = ["PLAN_LEGEND", "format_plan"]
+__all__ = ["PLAN_LEGEND", "decision_counts", "format_plan"]
 
 #: What each column of :func:`format_plan`'s table is, printed below it with ``legend=True``.
 PLAN_LEGEND: tuple[str, ...] = (
@@ -27,8 +27,8 @@ PLAN_LEGEND: tuple[str, ...] = (
     "contention, copies, optimizer, hooks).",
 )
 
-#: How a plan table names a unit's recomputation (``Decision.recompute``).
-_RECOMPUTE_NAMES = {"none": "", "selective": "SAC", "full": "AC"}
+#: How a plan table names a unit's recomputation (``Decision.recompute``), full before selective.
+_RECOMPUTE_NAMES = {"none": "", "full": "AC", "selective": "SAC"}
 
 
 def format_plan(
@@ -109,10 +109,20 @@ def format_plan(
         + (f"; solver: {status}" if status else ""),
         *(PLAN_LEGEND if legend else ()),
     ]
-    title = f"OSDP plan: {plan.summary()}"
+    title = f"OSDP plan: Plan({len(plan.decisions)} decisions: {decision_counts(plan) or 'empty'})"
     if use_rich:
         return _rich(title, headers, rows, total, footer, width)
     return _plain(title, headers, rows, total, footer)
+
+
+def decision_counts(plan: Plan) -> str:
+    """A plan's decisions by mode, then its splits and recomputations as the plan table names them (AC, SAC):
+    ``"1 no_shard, 34 hybrid_shard, 2 split, 33 AC"``."""
+    decisions = list(plan.decisions.values())
+    counts = [(m, sum(d.mode == m for d in decisions)) for m in MODES]
+    counts.append(("split", sum(d.split > 1 for d in decisions)))
+    counts += [(name, sum(d.recompute == how for d in decisions)) for how, name in _RECOMPUTE_NAMES.items() if name]
+    return ", ".join(f"{n} {label}" for label, n in counts if n)
 
 
 _BLOCK = re.compile(r"^(.*\.)(\d+)$")
