@@ -115,12 +115,15 @@ class OSDPFabricModule(nn.Module):
         object.__setattr__(self, "root", None)
         object.__setattr__(self, "_pause", None)  # the open `no_backward_sync` context, where planning enters too
         object.__setattr__(self, "_stand_ins", {})  # [Note: a meta model's parameters before the plan]
+        # id of a meta parameter -> (it, its stand-in): held, so that its id stays its own while it is looked up
+        object.__setattr__(self, "_replaced", {})
         object.__setattr__(self, "_pending_weights", None)  # a `load_raw` source read once the plan is applied
 
     root: OSDPModule | ReplicatedModule | None
     _strategy: OSDPFabricStrategy
     _pause: ExitStack | None
     _stand_ins: dict[int, str]  # id of a stand-in -> the parameter's name
+    _replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]
     _pending_weights: tuple[Path, bool] | None
 
     @property
@@ -257,6 +260,7 @@ class OSDPFabricStrategy(ParallelStrategy):
         self._profile_file: Path | None = None
         self._monitor: OSDPMonitor | None = None
         self._optimizers: list[Optimizer] = []
+        self._models: list[OSDPFabricModule] = []
         self._said_accumulating = False
         self._backward_sync_control = _PausedSync()
 
@@ -429,6 +433,7 @@ class OSDPFabricStrategy(ParallelStrategy):
         if isinstance(module, (OSDPFabricModule, OSDPModule, ReplicatedModule)):
             raise ValueError("this model is already set up by OSDP: pass the model itself to fabric.setup once")
         model = OSDPFabricModule(module, self)
+        self._models.append(model)
         if self._plan is not None:
             self._plan.validate(module)  # a given plan that does not fit fails before anything is changed
             self._apply(model, self._plan, profile=None, log=SetupLog())
@@ -448,6 +453,11 @@ class OSDPFabricStrategy(ParallelStrategy):
         """An optimizer set up before the plan is pointed at the sharded parameters when the plan is applied; one set
         up after it is built on them already."""
         self._optimizers.append(optimizer)
+        for model in self._models:
+            # `fabric.setup(model, optimizer)`: built over the meta parameters the stand-ins replaced.
+            replaced = model._replaced
+            for group in optimizer.param_groups:
+                group["params"] = [replaced[id(p)][1] if id(p) in replaced else p for p in group["params"]]
         if self._plan is not None and self._monitor is not None:
             prepare_optimizers([optimizer])
         return optimizer
@@ -797,6 +807,7 @@ def _stand_in(model: OSDPFabricModule) -> None:
                 )
                 made[id(param)] = stand_in
                 model._stand_ins[id(stand_in)] = names[id(param)]
+                model._replaced[id(param)] = (param, stand_in)
             owner._parameters[name] = made[id(param)]
     model.module.register_load_state_dict_pre_hook(_refuse_load_into_stand_ins(model))
 
@@ -830,3 +841,4 @@ def _unstand_in(model: OSDPFabricModule, optimizers: Sequence[Optimizer]) -> Non
         for group in optimizer.param_groups:
             group["params"] = [back.get(id(p), p) for p in group["params"]]
     model._stand_ins.clear()
+    model._replaced.clear()

@@ -142,6 +142,7 @@ CASES = [
     "osdp_bf16",
     "osdp_meta",
     "osdp_meta_plan",
+    "osdp_meta_joint",
     "osdp_save",
     "osdp_resume",
     "osdp_resume_unplanned",
@@ -210,6 +211,9 @@ class TestTwoRanks:
     def test_a_meta_model_trains_alike_whether_planned_at_its_first_forward_or_given_a_plan(self, results: Any) -> None:
         for rank in range(2):
             assert_matches(results[0]["osdp_meta"][rank], results[0]["osdp_meta_plan"][rank])
+            # The optimizer built before fabric.setup(model, optimizer), a budget that makes the planner shard.
+            assert_matches(results[0]["osdp_meta_joint"][rank], results[0]["osdp_meta_plan"][rank])
+        assert {"full_shard", "shard_grad_op"} & set(results[0]["osdp_meta_joint"][0]["modes"])
         losses = results[0]["osdp_meta"][0]["losses"]
         assert losses[-1] < 0.8 * losses[0]
 

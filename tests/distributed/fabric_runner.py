@@ -97,15 +97,19 @@ def train(
     state: dict[str, Any] | None = None,
     resume: Path | None = None,
     save: tuple[int, Path] | None = None,
+    joint: bool = False,
 ) -> dict[str, Any]:
     """The loop (see the module docstring); ``resume`` loads a checkpoint before it, ``save=(step, path)`` saves after
-    that step's optimizer step."""
+    that step's optimizer step; ``joint``: ``fabric.setup(model, optimizer)`` with the optimizer built before."""
     fabric.seed_everything(0)
     with fabric.init_module(empty_init=meta):
         model = GPT()
-    model = fabric.setup(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    optimizer = fabric.setup_optimizers(optimizer)
+    if joint:
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    else:
+        model = fabric.setup(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        optimizer = fabric.setup_optimizers(optimizer)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if resume is not None:
         remainder = fabric.load(resume, state)
@@ -175,6 +179,10 @@ CASES: dict[str, Callable[[Path, dict[str, Any]], dict[str, Any]]] = {
     # materialization is the unsharded model's under any plan, so both train alike.
     "osdp_meta": lambda out, memo: train(fabric_for("osdp"), meta=True),
     "osdp_meta_plan": lambda out, memo: train(fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT))), meta=True),
+    # `fabric.setup(model, optimizer)` at once, a meta model planned at its first forward under a tight budget.
+    "osdp_meta_joint": lambda out, memo: train(
+        fabric_for(OSDPFabricStrategy(memory_budget=memo["tight"])), meta=True, joint=True
+    ),
     # Saved after step 1 under the solved plan, resumed under the tight plan for steps 2-3.
     "osdp_save": lambda out, memo: train(fabric_for("osdp"), save=(1, out / "ckpt")),
     "osdp_resume": lambda out, memo: train(
@@ -189,8 +197,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     memo: dict[str, Any] = {}
     for case in sys.argv[2:]:
-        if case == "osdp_budget" and "tight" not in memo:
-            raise SystemExit("osdp_budget needs the osdp case before it (its profile sizes the budget)")
+        if case in ("osdp_budget", "osdp_meta_joint") and "tight" not in memo:
+            raise SystemExit(f"{case} needs the osdp case before it (its profile sizes the budget)")
         result = CASES[case](out, memo)
         if case == "osdp":
             memo["tight"] = tight_budget(FABRICS[-1])
