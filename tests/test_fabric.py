@@ -140,6 +140,9 @@ CASES = [
     "osdp_budget",
     "ddp_bf16",
     "osdp_bf16",
+    "osdp_mp",
+    "ddp_bf16_true",
+    "osdp_bf16_true",
     "osdp_meta",
     "osdp_meta_plan",
     "osdp_meta_joint",
@@ -149,14 +152,18 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], Path]:
-    out = tmp_path_factory.mktemp("fabric")
-    # A plain `python script.py`: Fabric's subprocess launcher starts the second rank itself.
-    cmd = [sys.executable, str(ROOT / "tests" / "distributed" / "fabric_runner.py"), str(out), *CASES]
+def run_cases(out: Path, *cases: str) -> None:
+    """A plain ``python fabric_runner.py OUT CASE...``: Fabric's subprocess launcher starts the second rank itself."""
+    cmd = [sys.executable, str(ROOT / "tests" / "distributed" / "fabric_runner.py"), str(out), *cases]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict[str, Any]]], Path]:
+    out = tmp_path_factory.mktemp("fabric")
+    run_cases(out, *CASES)
     loaded = {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(2)] for c in CASES}
     return loaded, out
 
@@ -165,17 +172,19 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def assert_matches(case: dict[str, Any], ref: dict[str, Any], *, first: int = 0) -> None:
-    """Losses of every micro-batch (from ``first`` on in the reference) and rank 0's final parameters within RTOL,
-    under the model's own keys."""
+def assert_matches(
+    case: dict[str, Any], ref: dict[str, Any], *, first: int = 0, rtol: float = RTOL, ptol: float = RTOL
+) -> None:
+    """Losses of every micro-batch (from ``first`` on in the reference) within ``rtol`` and rank 0's final parameters
+    within ``ptol``, under the model's own keys."""
     want = ref["losses"][first:]
     assert len(case["losses"]) == len(want) > 0
     for got, expected in zip(case["losses"], want, strict=True):
-        assert abs(got - expected) <= RTOL * abs(expected), (case["losses"], want)
+        assert abs(got - expected) <= rtol * abs(expected), (case["losses"], want)
     if ref["state"] is not None:
         assert set(case["state"]) == set(ref["state"]), "state-dict keys must be the model's own"
         for key, value in ref["state"].items():
-            assert _max_rel(case["state"][key], value) <= RTOL, key
+            assert _max_rel(case["state"][key].float(), value.float()) <= ptol, key
 
 
 @pytest.mark.distributed
@@ -208,6 +217,18 @@ class TestTwoRanks:
         for rank in range(2):
             assert_matches(results[0]["osdp_bf16"][rank], results[0]["ddp_bf16"][rank])
 
+    def test_bf16_true_matches_ddp_to_bf16_s_resolution(self, results: Any) -> None:
+        # bf16 parameters and gradients: the clipping norm summed in another order (per shard, then across) moves a
+        # parameter by a few units of bf16's last place (2**-8 relative), never more.
+        for rank in range(2):
+            assert_matches(results[0]["osdp_bf16_true"][rank], results[0]["ddp_bf16_true"][rank], rtol=1e-3, ptol=3e-2)
+
+    def test_fsdp2_s_bf16_policy_trains_as_bf16_mixed_ddp_does(self, results: Any) -> None:
+        # The sharded units gather bf16 weights and reduce in fp32, DDP's run autocast: the same bf16 matrix products,
+        # other roundings around them (lightning_osdp/strategy.py [Note: mixed precision]).
+        got, want = results[0]["osdp_mp"][0]["losses"], results[0]["ddp_bf16"][0]["losses"]
+        assert got == pytest.approx(want, rel=2e-3)
+
     def test_a_meta_model_trains_alike_whether_planned_at_its_first_forward_or_given_a_plan(self, results: Any) -> None:
         for rank in range(2):
             assert_matches(results[0]["osdp_meta"][rank], results[0]["osdp_meta_plan"][rank])
@@ -226,6 +247,14 @@ class TestTwoRanks:
             assert resumed["loaded_step"] == 2 and resumed["resumed_step"] == 4
             assert_matches(resumed, results[0]["ddp"][rank], first=4)  # steps 2-3 of the uninterrupted run
         assert results[0]["osdp_resume_unplanned"][0]["plan"] == results[0]["osdp_save"][0]["plan"]
+
+    def test_a_checkpoint_of_two_ranks_loads_on_one(self, results: Any) -> None:
+        run_cases(results[1], "osdp_load_one_rank")  # one process: Fabric(devices=1)
+        loaded = torch.load(results[1] / "osdp_load_one_rank.rank0.pt", weights_only=False)
+        saved = results[0]["osdp_save"][0]["saved_state"]
+        assert loaded["loaded_step"] == 2 and set(loaded["state"]) == set(saved)
+        for key, value in saved.items():
+            assert torch.equal(loaded["state"][key], value), key
 
     def test_the_checkpoint_stores_the_plan_and_the_model_s_own_keys(self, results: Any) -> None:
         from lightning_osdp.checkpoint import saved_plan

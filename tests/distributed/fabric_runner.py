@@ -82,8 +82,8 @@ def batch(rank: int, step: int, micro: int) -> Tensor:
 FABRICS: list[L.Fabric] = []
 
 
-def fabric_for(strategy: Any, precision: str = "32-true") -> L.Fabric:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
+def fabric_for(strategy: Any, precision: str = "32-true", devices: int = 2) -> L.Fabric:
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=precision)
     fabric.launch()
     FABRICS.append(fabric)
     return fabric
@@ -117,6 +117,7 @@ def train(
     loaded_step = state["step"]
     losses: list[float] = []
     norms: list[float] = []
+    saved_state = None
     for step in steps:
         for micro in range(ACCUMULATE):
             tokens = batch(fabric.global_rank, step, micro)
@@ -131,11 +132,8 @@ def train(
         state["step"] = step + 1
         if save is not None and save[0] == step:
             fabric.save(save[1], state)
-    forward = model._forward_module
-    if isinstance(forward, OSDPFabricModule):
-        full = full_model_state(forward.module)
-    else:
-        full = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+            saved_state = _full_state(model)
+    full = _full_state(model)
     strategy = fabric.strategy
     facts: dict[str, Any] = {"loaded_step": loaded_step, "resumed_step": state["step"]}
     if isinstance(strategy, OSDPFabricStrategy) and strategy.plan is not None:
@@ -143,7 +141,23 @@ def train(
         facts["plan"] = strategy.plan.to_dict()["decisions"]
         facts["peak"] = strategy.peak_memory_bytes
         facts["summary"] = strategy.summary()
-    return {"losses": losses, "norms": norms, "state": full if fabric.global_rank == 0 else None, **facts}
+    rank0 = fabric.global_rank == 0
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": full if rank0 else None,
+        "saved_state": saved_state if rank0 else None,
+        **facts,
+    }
+
+
+def _full_state(model: Any) -> dict[str, Tensor]:
+    """The unsharded state dict under the model's own keys (a collective; rank 0's is whole)."""
+    forward = model._forward_module
+    # Copies: on rank 0 a replicated parameter's entry is the live tensor, which the optimizer goes on updating.
+    if isinstance(forward, OSDPFabricModule):
+        return {k: v.detach().clone() for k, v in full_model_state(forward.module).items()}
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
 def tight_budget(fabric: L.Fabric) -> int:
@@ -174,6 +188,11 @@ CASES: dict[str, Callable[[Path, dict[str, Any]], dict[str, Any]]] = {
     "osdp_plan": lambda out, memo: train(fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT)))),
     "osdp_budget": lambda out, memo: train(fabric_for(OSDPFabricStrategy(memory_budget=memo["tight"]))),
     "ddp_bf16": lambda out, memo: train(fabric_for("ddp", "bf16-mixed")),
+    "osdp_mp": lambda out, memo: train(
+        fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT_NO_SPLIT), mixed_precision="bf16"), "bf16-mixed")
+    ),
+    "ddp_bf16_true": lambda out, memo: train(fabric_for("ddp", "bf16-true")),
+    "osdp_bf16_true": lambda out, memo: train(fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT_NO_SPLIT)), "bf16-true")),
     "osdp_bf16": lambda out, memo: train(fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT_NO_SPLIT)), "bf16-mixed")),
     # A meta model planned at its first forward (stand-ins until then), and one under a plan given at setup: the
     # materialization is the unsharded model's under any plan, so both train alike.
@@ -188,6 +207,8 @@ CASES: dict[str, Callable[[Path, dict[str, Any]], dict[str, Any]]] = {
     "osdp_resume": lambda out, memo: train(
         fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT))), steps=range(2, STEPS), resume=out / "ckpt"
     ),
+    # Loaded on one rank (another world size): DCP reshards the two ranks' shards.
+    "osdp_load_one_rank": lambda out, memo: train(fabric_for("osdp", devices=1), steps=range(0), resume=out / "ckpt"),
     # Resumed by a model not planned yet: it takes the checkpoint's plan.
     "osdp_resume_unplanned": lambda out, memo: train(fabric_for("osdp"), steps=range(2, STEPS), resume=out / "ckpt"),
 }
@@ -202,7 +223,7 @@ def main() -> None:
         result = CASES[case](out, memo)
         if case == "osdp":
             memo["tight"] = tight_budget(FABRICS[-1])
-        rank = torch.distributed.get_rank()
+        rank = FABRICS[-1].global_rank
         torch.save(result, out / f"{case}.rank{rank}.pt")
 
 
