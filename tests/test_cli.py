@@ -405,6 +405,34 @@ def test_plan_on_several_nodes_reads_in_the_units_published_runs_compare(capsys:
     )
 
 
+def test_the_plan_table_folds_blocks_with_their_own_units_and_only_identical_ones() -> None:
+    from lightning_osdp.cost_model import predict
+    from lightning_osdp.solver import format_plan
+
+    from synthetic import gpt_profile
+
+    profile = gpt_profile(depth=5, width=64)
+    decisions: dict[str, object] = {"": "no_shard"}
+    for i in range(5):  # every block sharded, its MLP's first Linear a unit of its own cut in two
+        decisions |= {f"model.blocks.{i}": "full_shard", f"model.blocks.{i}.mlp.fc": ("full_shard", 2)}
+    plan = Plan(decisions)  # type: ignore[arg-type]
+    prediction = predict(profile, plan, 2)
+    every = format_plan(plan, prediction, rich_markup=False)
+    folded = format_plan(plan, prediction, rich_markup=False, fold=True).splitlines()
+    rows = [line.split()[:3] for line in folded if line.startswith("model.")]
+    assert rows == [["model.blocks.0-4", "x5", "33.3K"], ["model.blocks.0-4.mlp.fc", "x5", "16.6K"]]
+    # The figures are each block's; the totals and the summary stay those of every unit.
+    assert [line.split() for line in folded[-4:]] == [line.split() for line in every.splitlines()[-4:]]
+    assert sum(line.startswith("model.") for line in every.splitlines()) == 10
+    # A block whose own unit differs (not split) ends the run.
+    decisions["model.blocks.4.mlp.fc"] = "full_shard"
+    plan = Plan(decisions)  # type: ignore[arg-type]
+    table = format_plan(plan, predict(profile, plan, 2), rich_markup=False, fold=True).splitlines()
+    assert [line.split()[0] for line in table if line.startswith("model.")] == [
+        "model.blocks.0-3", "model.blocks.0-3.mlp.fc", "model.blocks.4", "model.blocks.4.mlp.fc"
+    ]  # fmt: skip
+
+
 def test_the_plan_table_and_the_comparison_count_decisions_in_one_vocabulary() -> None:
     from lightning_osdp import Decision
     from lightning_osdp.solver.report import decision_counts

@@ -131,35 +131,42 @@ _BLOCK = re.compile(r"^(.*\.)(\d+)$")
 def _folded(
     headers: list[str], rows: list[list[str]], total: list[str]
 ) -> tuple[list[str], list[list[str]], list[str]]:
-    """``rows`` with each run of consecutive blocks (``prefix.i``, ``prefix.i+1``...) whose other cells are all equal
-    on one line, ``prefix.i-j``, and a ``units`` column after the module (the table unchanged when nothing folds)."""
-    runs: list[list[list[str]]] = []
+    """``rows`` with each run of consecutive blocks (``prefix.i``, ``prefix.i+1``...) that are the same on one line,
+    ``prefix.i-j``, and a ``units`` column after the module (the table unchanged when nothing folds). A block is its
+    row and the rows of its own units that follow it (a split Linear's, say); two are the same when every cell but the
+    names is, and the names below the block's are too."""
+    blocks: list[list[list[str]]] = []
     for row in rows:
-        last = runs[-1][-1] if runs else None
-        here, before = _BLOCK.match(row[0]), _BLOCK.match(last[0]) if last else None
-        if (
-            last is not None
-            and here is not None
-            and before is not None
-            and here.group(1) == before.group(1)
-            and int(here.group(2)) == int(before.group(2)) + 1
-            and row[1:] == last[1:]
-        ):
-            runs[-1].append(row)
+        if blocks and _BLOCK.match(blocks[-1][0][0]) and row[0].startswith(blocks[-1][0][0] + "."):
+            blocks[-1].append(row)  # a unit inside the block before
         else:
-            runs.append([row])
+            blocks.append([row])
+    runs: list[list[list[list[str]]]] = []
+    for block in blocks:
+        if runs and _follows(runs[-1][-1], block):
+            runs[-1].append(block)
+        else:
+            runs.append([block])
     if all(len(run) == 1 for run in runs):
         return headers, rows, total
     folded = []
     for run in runs:
-        first = run[0]
-        if len(run) == 1:
-            folded.append([first[0], "", *first[1:]])
-        else:
-            end = _BLOCK.match(run[-1][0])
-            assert end is not None
-            folded.append([f"{first[0]}-{end.group(2)}", f"x{len(run)}", *first[1:]])
+        first = run[0][0][0]
+        end = _BLOCK.match(run[-1][0][0])
+        name, units = (f"{first}-{end.group(2)}", f"x{len(run)}") if len(run) > 1 and end else (first, "")
+        folded += [[name + row[0][len(first) :], units, *row[1:]] for row in run[0]]
     return [headers[0], "units", *headers[1:]], folded, [total[0], "", *total[1:]]
+
+
+def _follows(before: list[list[str]], block: list[list[str]]) -> bool:
+    """Whether ``block`` is the block after ``before`` (``prefix.i+1`` after ``prefix.i``) with the same figures."""
+    a, b = _BLOCK.match(before[0][0]), _BLOCK.match(block[0][0])
+    if a is None or b is None or a.group(1) != b.group(1) or int(b.group(2)) != int(a.group(2)) + 1:
+        return False
+    if len(before) != len(block):
+        return False
+    cut_a, cut_b = len(before[0][0]), len(block[0][0])
+    return all(x[0][cut_a:] == y[0][cut_b:] and x[1:] == y[1:] for x, y in zip(before, block, strict=True))
 
 
 def _right(headers: Sequence[str]) -> set[int]:
