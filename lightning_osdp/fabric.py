@@ -432,6 +432,11 @@ class OSDPFabricStrategy(ParallelStrategy):
     def setup_module(self, module: nn.Module) -> OSDPFabricModule:
         if isinstance(module, (OSDPFabricModule, OSDPModule, ReplicatedModule)):
             raise ValueError("this model is already set up by OSDP: pass the model itself to fabric.setup once")
+        if self._models:
+            raise NotImplementedError(
+                "OSDPFabricStrategy plans and shards one model per Fabric (its plan, profile, monitor and checkpoints "
+                "are the model's); a second fabric.setup is not supported yet"
+            )
         model = OSDPFabricModule(module, self)
         self._models.append(model)
         if self._plan is not None:
@@ -528,12 +533,21 @@ class OSDPFabricStrategy(ParallelStrategy):
             )
         pending = model._pending_weights
         object.__setattr__(model, "_pending_weights", None)
-        if pending is not None:
+        if pending is not None and not pending[1]:  # `fabric.load_raw(..., strict=False)`
             with log.stage(f"reading {pending[0]} into the shards"):
-                loaded = osdp_checkpoint.load_pretrained(module, pending[0], strict=pending[1])
+                loaded = osdp_checkpoint.load_pretrained(module, pending[0], strict=False)
             rank_zero_info(f"OSDP: {loaded.describe()}")
-        elif root.uninitialized:
-            osdp_checkpoint.initialize_weights(module, root.uninitialized, pretrained=None, prefix=None, resuming=False)
+        else:
+            # The Trainer's: the weights into the shards, and a warning naming what neither they nor a
+            # `reset_parameters()` initialized.
+            with log.stage(f"reading {pending[0]} into the shards") if pending is not None else nullcontext():
+                osdp_checkpoint.initialize_weights(
+                    module,
+                    root.uninitialized,
+                    pretrained=pending[0] if pending is not None else None,
+                    prefix=None,
+                    resuming=False,
+                )
         _repoint(self._optimizers, module, before)
         prepare_optimizers(self._optimizers)
         object.__setattr__(model, "root", root)

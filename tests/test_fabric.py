@@ -93,6 +93,13 @@ def test_wrong_values_fail_at_construction(tmp_path: Path) -> None:
         OSDPFabricStrategy(plan=tmp_path / "missing.json")
 
 
+def test_a_second_model_is_refused_clearly() -> None:
+    strategy = OSDPFabricStrategy(parallel_devices=[torch.device("cpu")])
+    strategy.setup_module(Tied())
+    with pytest.raises(NotImplementedError, match="one model per Fabric"):
+        strategy.setup_module(Tied())
+
+
 # ---------------------------------------------------------------------------------------------- deferred planning
 def test_an_optimizer_built_before_the_plan_is_pointed_at_the_split_and_tied_parameters() -> None:
     model = Tied()
