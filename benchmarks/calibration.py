@@ -1,0 +1,476 @@
+"""The dry run against every published FSDP/HSDP run of ``benchmarks/published_runs.json``, calibrated and checked
+leave-one-source-out.
+
+For each published run this builds the model of its shape on the meta device (``examples/llama``'s Llama for Llama
+shapes, ``examples/gpt``'s GPT for MosaicML's MPT, whose blocks are GPT's: LayerNorm, a GELU MLP of 4x, a tied
+embedding, learned positions), profiles it on fake tensors with the built-in figures of its GPU and network, as
+``osdp plan`` does (``cli.estimate.estimated_profile``), and predicts the published configuration's fixed plan
+(every block and the root in the published sharding mode, every block recomputed as published; no solve) with the
+cost model (``cost_model.predict``). The prediction per GPU is the published micro-batch's tokens over the
+micro-batch's step, the optimizer's step spread over the accumulation steps.
+
+Calibration. The one calibrated constant is ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
+[Note: a training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training
+step reaches. Every profile time is ``a + b / efficiency`` (operators' latency and memory-bound work, plus FLOPs at
+the rate), so each run is traced twice (at efficiency 1 and 1/2) and its profile at any other efficiency follows
+exactly, as ``cli.estimate.BatchScaledProfile`` does for the batch size (up to operators that change sides of the
+roofline between the two, whose bytes are small). The cost model is run exactly at efficiency 1 and 0.6 and linearly
+interpolated in ``1 / efficiency`` between them to search the grid (the script prints how far that is from the exact
+prediction at the chosen value); every figure in the tables is exact. The efficiency is chosen as the grid value with
+the least mean absolute log error of throughput over the calibrating runs: "all" calibrates on every run, "held out"
+predicts each source's runs with the value calibrated on the other sources only. ``--calibrate-memory`` adds a second
+constant, the memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``, else kept at its assumed
+value), traced a third time at half of it and interpolated bilinearly.
+
+Memory. Beside the allocated peak, the reserved peak and the device total of ``cli/reserved_memory.py``, and whether
+the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
+``memory_kind`` of its row).
+
+Run from the repository root: ``python benchmarks/calibration.py`` (two traces and a few predictions per run: about
+5 minutes on 2 busy cores; ``--only ID,ID`` for the runs whose id contains one of them); ``--out
+FILE`` writes the rows as JSON. It prints the markdown tables that docs/benchmarks.md keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "llama"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
+
+from lightning_osdp.cli.estimate import estimated_profile
+from lightning_osdp.cli.hardware import (
+    MEMORY_EFFICIENCY,
+    TRAINING_MATMUL_EFFICIENCY,
+    HardwareFigures,
+    get_hardware,
+    get_network,
+)
+from lightning_osdp.cli.reserved_memory import DeviceMemory, device_memory
+from lightning_osdp.cost_model import predict
+from lightning_osdp.options import BF16_POLICY
+from lightning_osdp.plan import ROOT as PLAN_ROOT
+from lightning_osdp.plan import Decision, Plan
+from lightning_osdp.profiling import ModelProfile
+
+RUNS_FILE = Path(__file__).resolve().with_name("published_runs.json")
+GIB = 2**30
+#: The values the calibration chooses among: matmul and attention's share of their published ceilings, and the
+#: memory-bound operators' share of the DRAM bandwidth.
+MATMUL_GRID = tuple(round(0.60 + 0.025 * i, 3) for i in range(17))  # 0.60 .. 1.00
+#: With ``--calibrate-memory`` only (see the module docstring); otherwise memory stays at MEMORY_EFFICIENCY.
+MEMORY_GRID = tuple(round(0.30 + 0.05 * i, 2) for i in range(13))  # 0.30 .. 0.90
+#: The corners each run is predicted at exactly; the grid between them is interpolated (see the module docstring).
+MATMUL_CORNERS = (1.0, 0.6)
+MEMORY_CORNERS = (MEMORY_EFFICIENCY, 0.3)
+_SHARDINGS = ("full_shard", "hybrid_shard", "shard_grad_op")
+_RECOMPUTE = ("none", "selective", "full")
+_PRECISIONS = ("bf16-fsdp", "bf16-mixed")
+_MODELS = ("llama", "gpt")
+_REQUIRED = (
+    "id", "source", "citation", "model", "shape", "hardware", "nodes", "gpus_per_node", "micro_batch", "grad_accum",
+    "seq_len", "precision", "recompute", "sharding", "tokens_per_second_per_gpu",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row of ``published_runs.json`` (see its fields there; ``tokens_per_second_per_gpu`` as published)."""
+
+    id: str
+    source: str
+    citation: str
+    model: str
+    shape: dict[str, Any]
+    hardware: str
+    nodes: int
+    gpus_per_node: int
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    precision: str
+    recompute: str
+    sharding: str
+    tokens_per_second_per_gpu: float
+    network: str | None = None
+    mfu: float | None = None
+    mfu_convention: str | None = None
+    memory_gib: float | None = None
+    memory_kind: str | None = None
+    notes: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
+    """The published runs of ``path``, checked: every required field, known values, a citation per row."""
+    data = json.loads(Path(path).read_text())
+    runs = []
+    for i, raw in enumerate(data["runs"]):
+        missing = [k for k in _REQUIRED if raw.get(k) in (None, "")]
+        if missing:
+            raise ValueError(f"{path}: run {i} ({raw.get('id', '?')}) lacks {', '.join(missing)}")
+        run = PublishedRun(**raw)
+        for field, value, known in (
+            ("model", run.model, _MODELS),
+            ("sharding", run.sharding, _SHARDINGS),
+            ("recompute", run.recompute, _RECOMPUTE),
+            ("precision", run.precision, _PRECISIONS),
+        ):
+            if value not in known:
+                raise ValueError(f"{path}: run {run.id}: {field} {value!r} is not one of {', '.join(known)}")
+        if run.shape.get("context_length") != run.seq_len:
+            raise ValueError(f"{path}: run {run.id}: shape's context_length differs from seq_len {run.seq_len}")
+        if run.tokens_per_second_per_gpu <= 0 or run.micro_batch < 1 or run.grad_accum < 1:
+            raise ValueError(f"{path}: run {run.id}: throughput, micro_batch and grad_accum must be positive")
+        runs.append(run)
+    ids = [r.id for r in runs]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: duplicate run ids")
+    return runs
+
+
+def build_model(run: PublishedRun) -> torch.nn.Module:
+    """The run's model on the meta device."""
+    if run.model == "llama":
+        from llama import LlamaModule
+
+        with torch.device("meta"):
+            return LlamaModule(**run.shape)
+    from gpt import GPTModule
+
+    with torch.device("meta"):
+        return GPTModule(**run.shape)
+
+
+def figures_of(
+    run: PublishedRun, efficiency: float = TRAINING_MATMUL_EFFICIENCY, memory: float = MEMORY_EFFICIENCY
+) -> HardwareFigures:
+    """The built-in figures of the run's GPUs, nodes and network, matmuls at ``efficiency`` of their ceilings and
+    memory-bound operators at ``memory`` of the DRAM bandwidth."""
+    network = get_network(run.network) if run.network else None
+    hardware = get_hardware(run.hardware)
+    return hardware.figures(
+        run.world_size,
+        "bf16-mixed",
+        nodes=run.nodes,
+        network=network,
+        training_efficiency=efficiency,
+        memory_efficiency=memory,
+    )
+
+
+def trace(run: PublishedRun, module: torch.nn.Module, efficiency: float, memory: float) -> ModelProfile:
+    """The estimated profile of one micro-batch of ``run`` at these rates, with the figures' two network levels."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    figures = figures_of(run, efficiency, memory)
+    batch = torch.zeros((run.micro_batch, run.seq_len + 1), dtype=torch.int64, device="meta")
+    profile = estimated_profile(
+        module,
+        batch,
+        figures,
+        optimizer=torch.optim.AdamW,
+        step_context=MixedPrecision("bf16-mixed", "cpu").train_step_context,
+        mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
+    )
+    return dataclasses.replace(
+        profile,
+        world_size=run.world_size,
+        nodes=figures.nodes,
+        inter_node_collectives=dict(figures.inter_node_collectives),
+    )
+
+
+@dataclass
+class TracedRun:
+    """A run's model and its profiles at three points of the rates, from which :meth:`profile` gives any other."""
+
+    run: PublishedRun
+    module: torch.nn.Module
+    base: ModelProfile  # matmuls at MATMUL_CORNERS[0], memory at MEMORY_CORNERS[0]
+    slower_matmuls: ModelProfile  # matmuls at half the base rate
+    slower_memory: ModelProfile | None  # memory-bound operators at half the base rate (None: memory not varied)
+    seconds: float
+
+    def profile(self, efficiency: float, memory: float) -> ModelProfile:
+        """The profile at these rates: every time is ``a + b / efficiency + c / memory`` (see the module docstring)."""
+        x = MATMUL_CORNERS[0] / efficiency - 1.0  # 0 at the base, 1 at half its rate
+        y = MEMORY_CORNERS[0] / memory - 1.0
+        slower_memory = self.slower_memory
+        if slower_memory is None:
+            if y:
+                raise ValueError(f"{self.run.id} was traced at memory {MEMORY_CORNERS[0]} only, not {memory}")
+            slower_memory = self.base
+        modules = {}
+        for name, m in self.base.modules.items():
+            dx = _delta(m, self.slower_matmuls.modules[name])
+            dy = _delta(m, slower_memory.modules[name])
+            modules[name] = dataclasses.replace(m, **_combined(m, dx, dy, x, y))
+        skip = frozenset({"world_size", "profiling_seconds", "optim_state_factor", "copy_bytes_per_second"})
+        dx, dy = _delta(self.base, self.slower_matmuls, skip), _delta(self.base, slower_memory, skip)
+        figures = figures_of(self.run, efficiency, memory)
+        return dataclasses.replace(
+            self.base,
+            modules=modules,
+            rates=figures.rates,
+            copy_bytes_per_second=figures.copy_bytes_per_second,
+            **_combined(self.base, dx, dy, x, y),
+        )
+
+
+def _delta(base: Any, other: Any, skip: frozenset[str] = frozenset()) -> dict[str, float]:
+    """The float fields of ``other`` that differ from ``base``'s, as differences."""
+    deltas = {}
+    for f in dataclasses.fields(base):
+        a, b = getattr(base, f.name), getattr(other, f.name)
+        if f.name not in skip and isinstance(a, float) and isinstance(b, float) and a != b:
+            deltas[f.name] = b - a
+    return deltas
+
+
+def _combined(base: Any, dx: dict[str, float], dy: dict[str, float], x: float, y: float) -> dict[str, float]:
+    return {name: getattr(base, name) + dx.get(name, 0.0) * x + dy.get(name, 0.0) * y for name in {*dx, *dy}}
+
+
+def trace_run(run: PublishedRun, *, memory_axis: bool = False) -> TracedRun:
+    """Trace ``run`` at the base rates and with matmuls at half of them (and, with ``memory_axis``, with memory-bound
+    operators at half of theirs)."""
+    start = time.perf_counter()
+    module = build_model(run)
+    e, m = MATMUL_CORNERS[0], MEMORY_CORNERS[0]
+    base, slower_matmuls = trace(run, module, e, m), trace(run, module, e / 2, m)
+    slower_memory = trace(run, module, e, m / 2) if memory_axis else None
+    return TracedRun(run, module, base, slower_matmuls, slower_memory, time.perf_counter() - start)
+
+
+def published_plan(run: PublishedRun, module: torch.nn.Module) -> Plan:
+    """The published configuration as a plan: the root and every default unit (block) in the run's sharding mode,
+    the blocks recomputed as published."""
+    uniform = Plan.uniform(module, run.sharding)
+    decisions = {
+        name: Decision(run.sharding, recompute=run.recompute if name != PLAN_ROOT else "none")  # type: ignore[arg-type]
+        for name in uniform.decisions
+    }
+    return Plan(decisions)
+
+
+@dataclass(frozen=True)
+class RowPrediction:
+    """The dry run's figures for one published run at one efficiency."""
+
+    tokens_per_second_per_gpu: float
+    step_seconds: float
+    memory: DeviceMemory
+    card_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits(self.card_bytes)
+
+
+def predict_run(traced: TracedRun, efficiency: float, memory: float) -> RowPrediction:
+    """The dry run of the published configuration at these rates."""
+    run = traced.run
+    profile = traced.profile(efficiency, memory)
+    figures = figures_of(run, efficiency, memory)
+    prediction = predict(profile, published_plan(run, traced.module), figures.topology)
+    parts = prediction.step_parts
+    # Accumulation: every micro-batch runs forward, backward and its reductions; the optimizer steps once.
+    micro_step = prediction.step_seconds - parts.get("optimizer", 0.0) * (1.0 - 1.0 / run.grad_accum)
+    peak = prediction.peak
+    transient = peak.activations + peak.gathered_parameters + peak.communication_buffers
+    communicators = 0 if run.world_size == 1 else 2 if run.sharding == "hybrid_shard" and run.nodes > 1 else 1
+    memory_figures = device_memory(
+        prediction.peak_bytes, min(transient, prediction.peak_bytes), communicators=communicators
+    )
+    return RowPrediction(
+        run.micro_batch * run.seq_len / micro_step, micro_step, memory_figures, figures.memory_bytes or 0
+    )
+
+
+@dataclass(frozen=True)
+class Corners:
+    """A run's micro-batch step predicted exactly at the four corners of the rates; between them, bilinear in the
+    inverse rates (``step`` is nearly ``a + b / efficiency + c / memory`` where communication hides)."""
+
+    run: PublishedRun
+    steps: dict[tuple[float, float], float]
+
+    def tokens_per_second_per_gpu(self, efficiency: float, memory: float) -> float:
+        (e0, e1), (m0, m1) = MATMUL_CORNERS, MEMORY_CORNERS
+        x = (1 / efficiency - 1 / e0) / (1 / e1 - 1 / e0)
+        y = (1 / memory - 1 / m0) / (1 / m1 - 1 / m0)
+        s = self.steps
+        if (e0, m1) not in s:  # traced without the memory axis
+            if y:
+                raise ValueError(f"{self.run.id} was predicted at memory {m0} only, not {memory}")
+            step = s[e0, m0] * (1 - x) + s[e1, m0] * x
+        else:
+            step = s[e0, m0] * (1 - x) * (1 - y) + s[e1, m0] * x * (1 - y) + s[e0, m1] * (1 - x) * y + s[e1, m1] * x * y
+        return self.run.micro_batch * self.run.seq_len / step
+
+    def ratio(self, efficiency: float, memory: float) -> float:
+        return self.tokens_per_second_per_gpu(efficiency, memory) / self.run.tokens_per_second_per_gpu
+
+
+def corners_of(traced: TracedRun) -> Corners:
+    """The exact predictions at the corners of the rates (of matmuls only, if the run was traced without the memory
+    axis)."""
+    memory = MEMORY_CORNERS if traced.slower_memory is not None else MEMORY_CORNERS[:1]
+    steps = {(e, m): predict_run(traced, e, m).step_seconds for e in MATMUL_CORNERS for m in memory}
+    return Corners(traced.run, steps)
+
+
+Rates = tuple[float, float]
+
+
+def calibrate(
+    corners: dict[str, Corners], runs: list[PublishedRun], memory_grid: tuple[float, ...] = (MEMORY_EFFICIENCY,)
+) -> Rates:
+    """The grid's (matmul, memory) efficiencies with the least mean absolute log error of throughput over ``runs``."""
+
+    def loss(rates: Rates) -> float:
+        return statistics.fmean(abs(math.log(corners[r.id].ratio(*rates))) for r in runs)
+
+    return min(((e, m) for e in MATMUL_GRID for m in memory_grid), key=loss)
+
+
+def summary(
+    runs: list[PublishedRun],
+    corners: dict[str, Corners],
+    ratio: Callable[[PublishedRun, Rates], float] | None = None,
+    memory_grid: tuple[float, ...] = (MEMORY_EFFICIENCY,),
+) -> list[dict[str, Any]]:
+    """Per source: the rates calibrated on all runs and without the source, and the median and worst absolute
+    throughput error of the source's runs at each, by ``ratio`` (predicted over published; default: the corners'
+    interpolation)."""
+    ratio = ratio or (lambda run, rates: corners[run.id].ratio(*rates))
+    everything = calibrate(corners, runs, memory_grid)
+    rows = []
+    for source in sorted({r.source for r in runs}):
+        own = [r for r in runs if r.source == source]
+        others = [r for r in runs if r.source != source]
+        held = calibrate(corners, others, memory_grid) if others else everything  # one source only: nothing to hold out
+        row: dict[str, Any] = {"source": source, "runs": len(own), "rates_all": everything, "rates_held_out": held}
+        for key, rates in (("all", everything), ("held_out", held)):
+            errors = [abs(ratio(r, rates) - 1.0) for r in own]
+            row[f"median_error_{key}"] = statistics.median(errors)
+            row[f"worst_error_{key}"] = max(errors)
+        rows.append(row)
+    return rows
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="only the runs whose id contains one of these comma-separated texts")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON")
+    parser.add_argument(
+        "--calibrate-memory",
+        action="store_true",
+        help="calibrate the memory-bound operators' share of the DRAM bandwidth too (a second constant)",
+    )
+    args = parser.parse_args()
+    memory_grid = MEMORY_GRID if args.calibrate_memory else (MEMORY_EFFICIENCY,)
+    only = args.only.split(",") if args.only else []
+    runs = [r for r in load_runs() if not only or any(text in r.id for text in only)]
+    traced: dict[str, TracedRun] = {}
+    corners: dict[str, Corners] = {}
+    for run in runs:
+        traced[run.id] = trace_run(run, memory_axis=args.calibrate_memory)
+        corners[run.id] = corners_of(traced[run.id])
+        print(f"# {run.id}: traced in {traced[run.id].seconds:.0f} s", file=sys.stderr)
+    exact: dict[tuple[str, Rates], RowPrediction] = {}
+
+    def at(run: PublishedRun, rates: Rates) -> RowPrediction:
+        if (run.id, rates) not in exact:
+            exact[run.id, rates] = predict_run(traced[run.id], *rates)
+        return exact[run.id, rates]
+
+    def ratio(run: PublishedRun, rates: Rates) -> float:
+        return at(run, rates).tokens_per_second_per_gpu / run.tokens_per_second_per_gpu
+
+    by_source = summary(runs, corners, ratio, memory_grid)
+    everything: Rates = by_source[0]["rates_all"]
+    held = {s["source"]: s["rates_held_out"] for s in by_source}
+    code: Rates = (TRAINING_MATMUL_EFFICIENCY, MEMORY_EFFICIENCY)
+    ceiling: Rates = (1.0, MEMORY_EFFICIENCY)
+    worst_interpolation = max(abs(corners[r.id].ratio(*everything) / ratio(r, everything) - 1) for r in runs)
+    print(
+        f"Calibrated on all runs: matmuls and attention at {everything[0]:.3f} of their published ceilings, "
+        f"memory-bound operators at {everything[1]:.2f} of the DRAM bandwidth (the code's: {code[0]:.3f}, "
+        f"{code[1]:.2f}); grids {MATMUL_GRID[0]}-{MATMUL_GRID[-1]} and {memory_grid[0]}-{memory_grid[-1]}; the "
+        f"interpolation between the corners is within {worst_interpolation:.1%} of the exact prediction there.\n"
+    )
+    print(
+        "| source | runs | rates, all (matmul, memory) | rates, held out | median error, all | worst, all | "
+        "median error, held out | worst, held out |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for s in by_source:
+        print(
+            f"| {s['source']} | {s['runs']} | {s['rates_all'][0]:.3f}, {s['rates_all'][1]:.2f} | "
+            f"{s['rates_held_out'][0]:.3f}, {s['rates_held_out'][1]:.2f} | {s['median_error_all']:.1%} | "
+            f"{s['worst_error_all']:.1%} | {s['median_error_held_out']:.1%} | {s['worst_error_held_out']:.1%} |"
+        )
+    print()
+    print(
+        "| run | GPUs | batch | AC | sharding | published tok/s/GPU | at the ceilings (ratio) | calibrated, all "
+        "(ratio) | held out (ratio) | allocated / reserved / device GiB | published GiB | fits |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    out = []
+    for run in runs:
+        top, cal, ho = at(run, ceiling), at(run, everything), at(run, held[run.source])
+        pub = run.tokens_per_second_per_gpu
+        memory = cal.memory
+        published_memory = f"{run.memory_gib:.1f} ({run.memory_kind})" if run.memory_gib else "-"
+        print(
+            f"| {run.id} | {run.nodes} x {run.gpus_per_node} {run.hardware} | {run.micro_batch} x {run.seq_len}"
+            f"{f' (x{run.grad_accum})' if run.grad_accum > 1 else ''} | {run.recompute} | {run.sharding} | "
+            f"{pub:,.0f} | {top.tokens_per_second_per_gpu:,.0f} ({top.tokens_per_second_per_gpu / pub:.2f}) | "
+            f"{cal.tokens_per_second_per_gpu:,.0f} ({cal.tokens_per_second_per_gpu / pub:.2f}) | "
+            f"{ho.tokens_per_second_per_gpu:,.0f} ({ho.tokens_per_second_per_gpu / pub:.2f}) | "
+            f"{_gib(memory.allocated)} / {_gib(memory.reserved)} / {_gib(memory.device_total)} | {published_memory} | "
+            f"{'yes' if cal.fits else 'no'} |"
+        )
+        out.append(
+            {
+                "id": run.id,
+                "source": run.source,
+                "published_tokens_per_second_per_gpu": pub,
+                "predicted_at_ceilings": top.tokens_per_second_per_gpu,
+                "predicted_calibrated": cal.tokens_per_second_per_gpu,
+                "predicted_held_out": ho.tokens_per_second_per_gpu,
+                "allocated_gib": memory.allocated / GIB,
+                "reserved_gib": memory.reserved / GIB,
+                "device_total_gib": memory.device_total / GIB,
+                "published_memory_gib": run.memory_gib,
+                "fits": cal.fits,
+                "corner_steps": [[e, m, step] for (e, m), step in corners[run.id].steps.items()],
+            }
+        )
+    if args.out:
+        args.out.write_text(json.dumps({"summary": by_source, "runs": out}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
