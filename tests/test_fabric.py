@@ -156,6 +156,8 @@ CASES = [
     "osdp_save",
     "osdp_resume",
     "osdp_resume_unplanned",
+    "osdp_full_save",
+    "osdp_full_resume",
 ]
 
 
@@ -211,6 +213,16 @@ class TestTwoRanks:
         # Planned at the first forward, which ran inside no_backward_sync: the step monitor measured the steps.
         assert osdp["peak"] is not None and "peak memory" in osdp["summary"]
 
+    def test_no_backward_sync_pauses_the_replicated_and_the_sharded_parts(self, results: Any) -> None:
+        # The tight plan: the root (ln_f) replicated under DDP, h.0 sharded. Under no_backward_sync, ln_f's gradient
+        # is each rank's own (DDP did not all-reduce it) and h.0's sharded gradient does not exist yet (FSDP2 did not
+        # reduce-scatter), as under Fabric's DDP, whose gradients stay each rank's own too.
+        for rank in range(2):
+            for spread, sharded in results[0]["osdp_plan"][rank]["paused"]:
+                assert spread is not None and spread > 0 and not sharded
+            for spread, _ in results[0]["ddp"][rank]["paused"]:
+                assert spread is not None and spread > 0
+
     @pytest.mark.parametrize("case", ["osdp_plan", "osdp_budget"])
     def test_a_plan_or_budget_that_forces_sharding_matches_ddp_with_clipping_and_accumulation(
         self, results: Any, case: str
@@ -245,7 +257,7 @@ class TestTwoRanks:
         losses = results[0]["osdp_meta"][0]["losses"]
         assert losses[-1] < 0.8 * losses[0]
 
-    @pytest.mark.parametrize("case", ["osdp_resume", "osdp_resume_unplanned"])
+    @pytest.mark.parametrize("case", ["osdp_resume", "osdp_resume_unplanned", "osdp_full_resume"])
     def test_save_then_load_resumes_the_exact_curve_under_another_plan_or_the_saved_one(
         self, results: Any, case: str
     ) -> None:

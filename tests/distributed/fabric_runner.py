@@ -118,6 +118,7 @@ def train(
     losses: list[float] = []
     norms: list[float] = []
     saved_state = None
+    paused: list[tuple[float | None, bool]] = []
     for step in steps:
         for micro in range(ACCUMULATE):
             tokens = batch(fabric.global_rank, step, micro)
@@ -126,6 +127,8 @@ def train(
                 loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
                 fabric.backward(loss / ACCUMULATE)
             losses.append(loss.item())
+            if micro < ACCUMULATE - 1:
+                paused.append(sync_probe(model.module))
         norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=0.5)))
         optimizer.step()
         optimizer.zero_grad()
@@ -147,8 +150,22 @@ def train(
         "norms": norms,
         "state": full if rank0 else None,
         "saved_state": saved_state if rank0 else None,
+        "paused": paused,
         **facts,
     }
+
+
+def sync_probe(module: GPT) -> tuple[float | None, bool]:
+    """After a backward under ``no_backward_sync``: how far ``ln_f``'s gradient differs across the ranks when it is a
+    plain tensor (the replicated root under DDP: equal when DDP all-reduced it), and whether ``h.0.ln_1``'s gradient
+    exists (a sharded unit's ``.grad`` is set by its gradient reduction only)."""
+    grad = module.ln_f.weight.grad
+    spread = None
+    if grad is not None and not hasattr(grad, "placements"):
+        gathered = [torch.zeros_like(grad) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, grad.contiguous())
+        spread = float(max((g - gathered[0]).abs().max() for g in gathered))
+    return spread, module.h[0].ln_1.weight.grad is not None
 
 
 def _full_state(model: Any) -> dict[str, Tensor]:
@@ -206,6 +223,15 @@ CASES: dict[str, Callable[[Path, dict[str, Any]], dict[str, Any]]] = {
     "osdp_save": lambda out, memo: train(fabric_for("osdp"), save=(1, out / "ckpt")),
     "osdp_resume": lambda out, memo: train(
         fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT))), steps=range(2, STEPS), resume=out / "ckpt"
+    ),
+    # A full checkpoint file (state_dict_type="full"), saved and resumed under the tight plan.
+    "osdp_full_save": lambda out, memo: train(
+        fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT), state_dict_type="full")), save=(1, out / "full.ckpt")
+    ),
+    "osdp_full_resume": lambda out, memo: train(
+        fabric_for(OSDPFabricStrategy(plan=Plan(TIGHT), state_dict_type="full")),
+        steps=range(2, STEPS),
+        resume=out / "full.ckpt",
     ),
     # Loaded on one rank (another world size): DCP reshards the two ranks' shards.
     "osdp_load_one_rank": lambda out, memo: train(fabric_for("osdp", devices=1), steps=range(0), resume=out / "ckpt"),
