@@ -81,6 +81,17 @@ def test_a_runs_prediction_is_finite_and_exact_at_the_traced_rates() -> None:
     # Memory does not depend on the rates; the reserved peak holds the allocated one and more.
     assert slow.memory == fast.memory
     assert fast.memory.allocated < fast.memory.reserved < fast.memory.device_total
+    # `osdp plan`'s line of the same figures: the device total judged against the card.
+    from lightning_osdp.cli.reserved_memory import plan_memory_line
+    from lightning_osdp.cost_model import predict
+
+    figures = calibration.figures_of(traced.run)
+    plan = calibration.published_plan(traced.run, traced.module)
+    prediction = predict(traced.profile(0.9, 0.8), plan, figures.topology)
+    assert prediction.peak_bytes == fast.memory.allocated
+    assert "fits the 80 GiB card" in plan_memory_line(prediction, plan, figures.topology, 80 * GIB)
+    tight = fast.memory.device_total - 1
+    assert "does not fit" in plan_memory_line(prediction, plan, figures.topology, tight)
     # Between the corners the interpolation is close to the exact prediction.
     corners = calibration.corners_of(traced)
     exact = calibration.predict_run(traced, 0.8, 0.6).tokens_per_second_per_gpu
