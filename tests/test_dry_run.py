@@ -47,7 +47,9 @@ def test_a_cuda_profile_resolves_to_its_own_copy_rate_and_overlapping_host_work(
     assert config.step_overhead_seconds == pytest.approx(4e-3 + 5e-3)
     cpu = CostModelConfig().resolve(one_linear_on("cpu"))
     assert cpu.copy_bytes_per_second == 3e9 and cpu.host_overlap == 0.0
-    assert cpu.collective_sync_seconds == 2e-3 and cpu.step_overhead_seconds == pytest.approx(4e-3 + 12e-3)
+    # On CPU the training loop is priced from the step's counted calls (none counted here: the loop with two values
+    # logged, one synced; lightning_osdp/cost_model/config.py [Note: calibration]).
+    assert cpu.collective_sync_seconds == 2e-3 and cpu.step_overhead_seconds == pytest.approx(4e-3 + 1.9e-3)
 
 
 def test_full_shard_on_cuda_by_hand_when_compute_hides_communication_and_side_copies() -> None:
