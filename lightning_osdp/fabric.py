@@ -190,8 +190,13 @@ class OSDPFabricStrategy(ParallelStrategy):
         timeout: how long a collective waits for a rank (a ``timedelta`` or seconds).
         memory_steps: on CPU, the first optimizer steps measured by the live-storage tracker (0: none).
         state_dict_type: ``"sharded"`` (DCP directories, every rank writes) or ``"full"`` (one file from rank 0).
-        modes, max_split, activation_checkpointing, solver_time_limit, memory_headroom, solver, solver_gap: the
-            planner's options (:class:`~lightning_osdp.planning.PlannerOptions`).
+        modes: the modes the planner may choose (``("full_shard",)`` is FSDP, ``("no_shard",)`` DDP).
+        max_split: the largest operator-splitting factor the planner may choose (1 disables splitting).
+        activation_checkpointing: ``"auto"``, ``"selective"``, ``"full"``/``True`` or ``False``.
+        solver_time_limit: the ILP solver's wall-clock safety net, in seconds.
+        memory_headroom: the fraction of the budget the planner keeps free.
+        solver: the ILP's solver (``"highs"``).
+        solver_gap: the relative optimality gap the solve stops at.
         mixed_precision: ``None``, ``"bf16"`` or a ``MixedPrecisionPolicy`` for the sharded units, with Fabric's
             ``precision="bf16-mixed"`` (``lightning_osdp/strategy.py`` [Note: mixed precision]).
         plan_out: where a plan solved at the first forward is saved with its profile (``None``: printed only).
