@@ -232,33 +232,34 @@ class OSDPFabricStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         _refuse_foreign(kwargs)
-        self._mp_policy = options.check_mixed_precision(mixed_precision)
-        self._planner = PlannerOptions.checked(
-            modes=modes,
-            max_split=max_split,
-            activation_checkpointing=activation_checkpointing,
-            solver_time_limit=solver_time_limit,
-            memory_headroom=memory_headroom,
-            solver=solver,
-            solver_gap=solver_gap,
-        )
-        self._plan: Plan | None = options.check_plan(plan)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
-        self._process_group_backend = options.check_process_group_backend(process_group_backend)
-        self._timeout = options.check_timeout(
-            timeout, solver_time_limit=self._planner.time_limit, planning=self._plan is None
-        )
-        self._memory_budget = options.check_memory_budget(memory_budget)
-        self._requested_budget = self._memory_budget
-        self._memory_steps = options.check_memory_steps(memory_steps)
-        self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
-        self._plan_out = options.check_plan_out(plan_out)
+        with _named_in_errors():
+            self._mp_policy = options.check_mixed_precision(mixed_precision)
+            self._planner = PlannerOptions.checked(
+                modes=modes,
+                max_split=max_split,
+                activation_checkpointing=activation_checkpointing,
+                solver_time_limit=solver_time_limit,
+                memory_headroom=memory_headroom,
+                solver=solver,
+                solver_gap=solver_gap,
+            )
+            self._plan: Plan | None = options.check_plan(plan)
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=parallel_devices,
+                cluster_environment=cluster_environment,
+                checkpoint_io=checkpoint_io,
+                precision=precision,
+            )
+            self._process_group_backend = options.check_process_group_backend(process_group_backend)
+            self._timeout = options.check_timeout(
+                timeout, solver_time_limit=self._planner.time_limit, planning=self._plan is None
+            )
+            self._memory_budget = options.check_memory_budget(memory_budget)
+            self._requested_budget = self._memory_budget
+            self._memory_steps = options.check_memory_steps(memory_steps)
+            self._state_dict_type: osdp_checkpoint.StateDictType = options.check_state_dict_type(state_dict_type)
+            self._plan_out = options.check_plan_out(plan_out)
         self._num_nodes = 1
         self._meshes: Meshes | None = None
         self._profile: ModelProfile | None = None
@@ -356,7 +357,8 @@ class OSDPFabricStrategy(ParallelStrategy):
     @override
     def precision(self, precision: Precision | None) -> None:
         if precision is not None:
-            options.check_precision_for_policy(self._mp_policy, str(getattr(precision, "precision", "")))
+            with _named_in_errors():
+                options.check_precision_for_policy(self._mp_policy, str(getattr(precision, "precision", "")))
         self._precision = precision
 
     @classmethod
@@ -746,6 +748,19 @@ class OSDPFabricStrategy(ParallelStrategy):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+@contextmanager
+def _named_in_errors() -> Iterator[None]:
+    """The argument checks of :mod:`lightning_osdp.options` (shared with the Trainer strategy) name
+    ``OSDPStrategy(...)`` in their errors: here the class the user constructed is named instead."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        message = str(err).replace("OSDPStrategy(", "OSDPFabricStrategy(")
+        if message == str(err):
+            raise
+        raise type(err)(message) from None
+
+
 def _refuse_foreign(kwargs: Mapping[str, Any]) -> None:
     """FSDPStrategy's, ModelParallelStrategy's and DeepSpeed's arguments refused as the Trainer strategy refuses them
     (:func:`~lightning_osdp.migration.refuse_foreign_arguments`), with this strategy's own arguments suggested."""

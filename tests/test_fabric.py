@@ -85,12 +85,25 @@ def test_fsdp_strategy_arguments_are_refused_with_what_osdp_does_instead() -> No
 
 
 def test_wrong_values_fail_at_construction(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="memory_budget"):
+    with pytest.raises(ValueError, match=r"OSDPFabricStrategy\(memory_budget=\.\.\.\)"):
         OSDPFabricStrategy(memory_budget="lots")
+    with pytest.raises(ValueError, match=r"OSDPFabricStrategy\(mixed_precision=\.\.\.\)"):
+        L.Fabric(strategy=OSDPFabricStrategy(mixed_precision="bf16"), accelerator="cpu", devices=2, precision="32-true")
     with pytest.raises(ValueError, match="max_split"):
         OSDPFabricStrategy(max_split=0)
     with pytest.raises(lightning_osdp.PlanError):
         OSDPFabricStrategy(plan=tmp_path / "missing.json")
+
+
+def test_an_optimizer_that_stepped_before_the_plan_is_refused() -> None:
+    strategy = OSDPFabricStrategy(parallel_devices=[torch.device("cpu")])
+    model = strategy.setup_module(Tied())
+    optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # state, before the first training forward: it would not follow the sharded parameters
+    with pytest.raises(RuntimeError, match="already has state"):
+        model(torch.tensor([[1, 2]]))
 
 
 def test_a_second_model_is_refused_clearly() -> None:
