@@ -359,6 +359,28 @@ def test_plan_takes_activation_checkpointing_from_the_config_and_the_flag(
     assert code == 2 and "activation_checkpointing='sometimes'" in err
 
 
+def test_plan_accumulates_micro_batches_as_the_trainer_would(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--accumulate-grad-batches (or the config's trainer.accumulate_grad_batches): the gradients held between
+    micro-batches and K batches per step, in the peaks, the step times and the rates."""
+    argv = ["plan", "--config", GPT_CONFIG, "--memory", "50MiB", "--hardware", "l4-pcie", "--batch-size", "4"]
+    argv += ["--no-search"]
+    code, once, _ = osdp(capsys, *argv)
+    assert code == 0
+    code, four, _ = osdp(capsys, *argv, "--accumulate-grad-batches", "4")
+    assert code == 0 and "4 micro-batches per optimizer step" in four
+    single, accumulated = comparison(once)["DDP"], comparison(four)["DDP"]
+    assert gib(accumulated["peak/device"]) > gib(single["peak/device"])  # unsharded gradients held
+    parts = step_parts(once)["DDP"], step_parts(four)["DDP"]
+    assert float(parts[1]["compute"]) == pytest.approx(4 * float(parts[0]["compute"]), abs=0.2)
+    config = tmp_path / "accumulating.yaml"
+    config.write_text(GPT_CONFIG.read_text().replace("trainer:\n", "trainer:\n  accumulate_grad_batches: 4\n", 1))
+    assert read_configs([config]).accumulate_grad_batches == 4
+    code, _, err = osdp(capsys, *argv, "--accumulate-grad-batches", "0")
+    assert code == 2 and "--accumulate-grad-batches must be at least 1" in err
+
+
 def test_plan_on_several_nodes_reads_in_the_units_published_runs_compare(capsys: pytest.CaptureFixture[str]) -> None:
     """HSDP+AC and HSDP+SAC beside FSDP's rows; tokens/s per GPU beside samples/s; the MFU's convention named (PaLM's,
     causal attention in full) and the other on request; identical blocks folded in the plan table, every unit on

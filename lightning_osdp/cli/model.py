@@ -49,6 +49,7 @@ class RunConfig:
             ``mixed_precision: bf16``).
         world_size: ``trainer.devices`` times ``trainer.num_nodes``, when both are numbers.
         nodes: ``trainer.num_nodes``, when ``world_size`` is known.
+        accumulate_grad_batches: ``trainer.accumulate_grad_batches``, when a number.
         memory_budget, memory_headroom, modes, max_split, shard_group_size, activation_checkpointing: the OSDP
             strategy's init args.
         sources: the config files read.
@@ -60,6 +61,7 @@ class RunConfig:
     precision: str | None = None
     world_size: int | None = None
     nodes: int | None = None
+    accumulate_grad_batches: int | None = None
     shard_group_size: int | None = None
     memory_budget: int | str | None = None
     memory_headroom: float | None = None
@@ -143,6 +145,9 @@ def read_configs(paths: Sequence[str | os.PathLike[str]]) -> RunConfig:
         raise CLIError(f"{', '.join(config.sources)}: the trainer section must be a mapping")
     if trainer.get("precision") is not None:
         config.precision = str(trainer["precision"])
+    accumulation = trainer.get("accumulate_grad_batches")
+    if isinstance(accumulation, int) and not isinstance(accumulation, bool):
+        config.accumulate_grad_batches = accumulation
     devices = _devices(trainer.get("devices"))
     nodes = trainer.get("num_nodes", 1)
     if devices is not None and isinstance(nodes, int) and nodes > 0:

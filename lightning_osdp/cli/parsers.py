@@ -111,6 +111,13 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     model.add_argument("--batch-size", type=int, metavar="N", help="per-device batch size")
     model.add_argument(
+        "--accumulate-grad-batches",
+        type=int,
+        metavar="K",
+        help="micro-batches per optimizer step, as the Trainer's accumulate_grad_batches (default: config, else 1): "
+        "the unsharded gradients are held between them, and a step trains K batches",
+    )
+    model.add_argument(
         "--tokens-per-sample",
         type=int,
         metavar="T",

@@ -116,6 +116,9 @@ class DryRun:
     #: tokens a sample trains on (``--tokens-per-sample``, else the batch's: a token window's ``context_length``);
     #: ``None``: unknown, no tokens/s columns
     tokens_per_sample: int | None = None
+    #: micro-batches per optimizer step (``--accumulate-grad-batches``, else the config's trainer's): a step trains
+    #: ``batch_size`` samples this many times
+    accumulation: int = 1
     #: wall seconds of the stages, for the closing note (profiling, the OSDP solve, the batch search)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -260,6 +263,11 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     tokens_per_sample = args.tokens_per_sample if args.tokens_per_sample is not None else source.tokens_per_sample
     if tokens_per_sample is not None and tokens_per_sample < 1:
         raise CLIError(f"--tokens-per-sample must be at least 1, got {tokens_per_sample}")
+    accumulation = args.accumulate_grad_batches
+    if accumulation is None:
+        accumulation = config.accumulate_grad_batches or 1
+    if accumulation < 1:
+        raise CLIError(f"--accumulate-grad-batches must be at least 1, got {accumulation}")
     optimizer, optimizer_note = _optimizer(args.optimizer, model)
     max_split = args.max_split if args.max_split is not None else (config.max_split or 8)
     if max_split < 1:
@@ -298,6 +306,7 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         optimizer_note=optimizer_note,
         planner=planner,
         tokens_per_sample=tokens_per_sample,
+        accumulation=accumulation,
     )
 
 
@@ -360,6 +369,7 @@ def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
                     world_size=run.world_size,
                     nodes=run.figures.nodes,
                     inter_node_collectives=dict(run.figures.inter_node_collectives),
+                    gradient_accumulation=run.accumulation,
                 )
             )
     run.seconds["profiling"] = time.perf_counter() - started
@@ -442,6 +452,7 @@ def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[
 
 def _rates(run: DryRun, batch_size: int, seconds: float | None) -> list[str]:
     """Samples/s over all ranks and, where the tokens per sample are known, tokens/s per GPU."""
+    batch_size *= run.accumulation  # samples a step trains, per device
     samples = f"{batch_size * run.world_size / seconds:,.1f}" if seconds else "-"
     if run.tokens_per_sample is None:
         return [samples]
@@ -514,7 +525,8 @@ def model_flops_utilization(
     flops = sum(m.fwd_flops for m in profile.modules.values())
     if convention == "palm":
         flops += sum(m.fwd_causal_skipped_flops for m in profile.modules.values())
-    return 3 * flops / step_seconds / peak_flops
+    # A step of accumulated micro-batches runs the model once per micro-batch.
+    return 3 * flops * max(profile.gradient_accumulation, 1) / step_seconds / peak_flops
 
 
 def _parts_table(
@@ -622,10 +634,12 @@ def _report(
         f"{format_bytes(run.planned_budget)} ({run.planner.memory_headroom:.0%} headroom); precision {run.precision}"
     )
     tokens = (
-        f"; {run.batch_size * run.tokens_per_sample:,} tokens per device and step"
+        f"; {run.accumulation * run.batch_size * run.tokens_per_sample:,} tokens per device and step"
         if run.tokens_per_sample is not None
         else "; tokens per sample unknown (--tokens-per-sample T for tokens/s)"
     )
+    if run.accumulation > 1:
+        tokens += f"; {run.accumulation} micro-batches per optimizer step"
     out.print(f"batch {run.batch_size} per device: {batch}, {run.batch.description}{tokens}")
     out.print("")
     osdp = rows[0]
