@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import random
+import time
 
 import pulp
 import pytest
@@ -187,10 +188,13 @@ def test_identical_blocks_reach_the_optimum_of_plain_branch_and_bound():
         assert plan.report.status == "optimal" or plan.report.status == "within gap 0.001"
         bounds.add(plan.report.bound)
         # The placement of the relaxation's counts (used when its solution is not whole) holds them and fits.
-        counted = problem._count_relaxation(prob, be, formulated[1], formulated[2], 1e-3, ilp._Clock(60.0))
-        assert counted is not None
-        bound, counts, _ = counted
-        placed = problem._with_counts(prob, be, formulated[1], formulated[2], counts, 1e-3, ilp._Clock(60.0))
+        f = ilp._Formulation(*formulated, be=be)
+        incumbent = ilp.Incumbent(be, budget=budget, gap=1e-3, started=time.perf_counter(), time_limit=60.0)
+        problem._tighten_by_counts(f, incumbent)
+        assert incumbent.proof == "count relaxation" and incumbent.lower is not None
+        bound = incumbent.lower
+        counts = {k: round(n.value()) for k, n in f.counts.items()}
+        placed = problem._place_counts(f, incumbent)
         assert placed is not None
         for (c, option), n in counts.items():
             assert sum(placed[key] == option for key in problem.classes[c]) == n

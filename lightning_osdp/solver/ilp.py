@@ -337,8 +337,18 @@ class Incumbent:
     def settled(self) -> bool:
         """Whether (``settle_at`` set) a plan at or under ``settle_at`` is held or a lower bound above it proved."""
         return self.settle_at is not None and (
-            self.value <= self.settle_at or (self.lower is not None and self.lower > self.settle_at * (1 + 1e-9))
+            self.value <= self.settle_at
+            or (self.lower is not None and self.lower >= self.settle_at * (1 + _SETTLE_MARGIN / 2))
         )
+
+    def cutoff(self) -> float | None:
+        """What a search need look under, once a plan is held: better than it by more than the gap and, a question
+        asked (``settle_at``), just above the value that settles it (a search that finds nothing under that proves
+        the answer "no"); ``None`` while no plan is held."""
+        if self.chosen is None:
+            return None
+        cutoff = self.value * (1 - self.gap)
+        return cutoff if self.settle_at is None else min(cutoff, self.settle_at * (1 + _SETTLE_MARGIN))
 
     def proved(self) -> bool:
         """Whether a plan is held and proved within ``gap`` of the optimum by the bound held."""
@@ -377,6 +387,10 @@ class _Formulation:
     counts: dict[tuple[int, Hashable], pulp.LpVariable]
     be: LinearBackend
 
+
+#: How far above ``settle_at`` (relatively) a bound must be to settle the question "no": clear of HiGHS's tolerances
+#: (a plan fits at ``settle_at`` less half a byte, a relative 1e-11 of a budget of GB).
+_SETTLE_MARGIN = 2e-9
 
 #: How far a relative gap may read above the one proved: a bound of ``value * (1 - gap)`` (what a cutoff search that
 #: finds nothing proves) gives ``(value - bound) / value`` above ``gap`` by a rounding for half of all values.
@@ -718,32 +732,89 @@ class PlanningProblem:
         return fractional
 
     def _tighten_by_counts(self, f: _Formulation, incumbent: Incumbent) -> None:
-        """Rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it
-        (see [Note: identical segments]); its solution is offered when whole, and its counts placed otherwise."""
+        """Rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it (see [Note:
+        identical segments]). Its solution is offered when every choice in it came out whole (it is then a plan of
+        the ILP, and an optimal one when the bound is its value), and its integer counts placed otherwise (the ILP
+        with each class held to them: its time is fixed, only the peak is left to satisfy). A question asked
+        (``settle_at``) is its cutoff: only whether it goes under that matters, and nothing there proves "no"."""
         if not self.classes:
             return
-        counted = self._count_relaxation(f.prob, f.be, f.xs, f.counts, incumbent.gap, incumbent.clock)
-        if counted is None:
+        be, xs = f.be, f.xs
+        relaxed = [xs[be.binaries[(key, o)]] for keys in self.classes for key in keys for o in be.options[key]]
+        for x in relaxed:
+            x.cat = pulp.LpContinuous
+        cutoff = None if incumbent.settle_at is None else incumbent.cutoff()
+        try:
+            _, result = _run_mip(
+                f.prob,
+                be,
+                xs,
+                gap=incumbent.gap / 4,
+                clock=incumbent.clock,
+                nodes=_NODES["counts"],
+                light=True,
+                cutoff=cutoff,
+            )
+        except SolverError:
             return
-        bound, found, whole = counted
-        incumbent.raise_bound(bound, "count relaxation")
-        incumbent.offer(whole)
+        finally:
+            for x in relaxed:
+                x.cat = pulp.LpInteger  # what pulp makes of LpBinary: "Binary" itself would be continuous
+        if result.lower is None:
+            return
+        incumbent.raise_bound(result.lower, "count relaxation")
+        if result.status == "infeasible":
+            return
+        if all(min(v, 1.0 - v) <= 1e-6 for v in ((x.value() or 0.0) for x in relaxed)):
+            incumbent.offer(_chosen(be, xs))
         if not incumbent.within_gap() and not incumbent.clock.expired():
-            incumbent.offer(self._with_counts(f.prob, f.be, f.xs, f.counts, found, incumbent.gap, incumbent.clock))
+            incumbent.offer(self._place_counts(f, incumbent))
+
+    def _place_counts(self, f: _Formulation, incumbent: Incumbent) -> dict[Hashable, Hashable] | None:
+        """Branch and bound with each class of identical segments held to the counts the last solve left in
+        ``f.counts`` (the count relaxation's): where its segments go."""
+        for n in f.counts.values():
+            n.lowBound = n.upBound = round(n.value() or 0.0)
+        try:
+            return _run_mip(
+                f.prob, f.be, f.xs, gap=incumbent.gap / 4, clock=incumbent.clock, nodes=_NODES["placement"], light=True
+            )[0]
+        except SolverError:
+            return None
+        finally:
+            for (c, _), n in f.counts.items():
+                n.lowBound, n.upBound = 0, len(self.classes[c])
 
     def _search_neighbourhood(
-        self,
-        f: _Formulation,
-        incumbent: Incumbent,
-        fractional: Mapping[Hashable, Sequence[Hashable]],
+        self, f: _Formulation, incumbent: Incumbent, fractional: Mapping[Hashable, Sequence[Hashable]]
     ) -> None:
-        """Rounding lost more than the gap: re-optimise a few choices around the incumbent, the rest
-        fixed (see :meth:`_neighbourhood`)."""
-        if incumbent.chosen is None or len(f.be.options) < 2 * _NEIGHBOURHOOD:
-            return  # every choice would be free (see _neighbourhood): the whole problem, the last phase's
-        start = incumbent.chosen
-        chosen = self._neighbourhood(f.prob, f.be, f.xs, start, fractional, incumbent.gap, incumbent.clock)
-        incumbent.offer(chosen)
+        """Rounding lost more than the gap: branch and bound over the fractional choices, the global units and a
+        spread of other segments, every other choice fixed to the incumbent's. It finds the swaps rounding misses
+        (one block to full_shard so that another can stay no_shard), in a problem small enough to solve at once."""
+        be, xs, start = f.be, f.xs, incumbent.chosen
+        keys = list(be.options)
+        if start is None or len(keys) < 2 * _NEIGHBOURHOOD:
+            return  # every choice would be free: the whole problem, the last phase's
+        free = set(fractional) | {g.key for g in self.spec.globals}
+        free.update(keys[:: max(len(keys) // _NEIGHBOURHOOD, 1)])
+        free.update(keys[-2:])
+        fixed = []
+        for key in keys:
+            if key in free:
+                continue
+            for o in be.options[key]:
+                x = xs[be.binaries[(key, o)]]
+                x.lowBound = x.upBound = 1.0 if start[key] == o else 0.0
+                fixed.append(x)
+        try:
+            incumbent.offer(
+                _run_mip(f.prob, be, xs, gap=incumbent.gap / 4, clock=incumbent.clock, nodes=_NODES["neighbourhood"])[0]
+            )
+        except SolverError:
+            pass
+        finally:
+            for x in fixed:
+                x.lowBound, x.upBound = 0, 1
 
     def _probe(self, f: _Formulation, incumbent: Incumbent) -> None:
         """The last phase's branch and bound cut short (``_NODES["probe"]``), before the count relaxation: with
@@ -762,8 +833,8 @@ class PlanningProblem:
         the cutoff proves the gap only when it searched to the end (``result.complete``; see [Note: the
         certificate])."""
         if result.status == "infeasible":
-            if incumbent.chosen is not None and result.complete:
-                incumbent.raise_bound(incumbent.value * (1 - incumbent.gap), "branch and bound")
+            if result.lower is not None:  # nothing under the cutoff, searched to the end
+                incumbent.raise_bound(result.lower, "branch and bound")
             return
         incumbent.take(chosen, result)
 
@@ -773,9 +844,16 @@ class PlanningProblem:
         """The solver's branch and bound on the whole problem for at most ``nodes`` nodes (and the safety net's
         time left, or ``seconds`` if longer), the gap asked for and, with an incumbent, its cutoff (only plans
         better than it by more than the gap are searched); raises :class:`SolverError` when it finds no plan."""
-        cutoff = None if incumbent.chosen is None else incumbent.value * (1 - incumbent.gap)
         return _run_mip(
-            f.prob, f.be, f.xs, gap=incumbent.gap, clock=incumbent.clock, nodes=nodes, cutoff=cutoff, seconds=seconds
+            f.prob,
+            f.be,
+            f.xs,
+            gap=incumbent.gap,
+            clock=incumbent.clock,
+            nodes=nodes,
+            cutoff=incumbent.cutoff(),
+            seconds=seconds,
+            first=incumbent.settle_at is not None,
         )
 
     def _branch_and_bound(
@@ -801,98 +879,6 @@ class PlanningProblem:
             # The run's plan breaks a row (HiGHS's tolerances): no plan, and none proved to exist.
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
         return incumbent.result(result.stopped or "unproven")
-
-    def _count_relaxation(
-        self,
-        prob: pulp.LpProblem,
-        be: LinearBackend,
-        xs: list[pulp.LpVariable],
-        counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
-        gap: float,
-        clock: _Clock,
-    ) -> tuple[float, dict[tuple[int, Hashable], int], dict[Hashable, Hashable] | None] | None:
-        """The lower bound of the count relaxation (see [Note: identical segments]), its integer counts per
-        (class, option), and its solution as a plan when every choice in it came out whole (then it is a plan of
-        the ILP, and an optimal one when the bound is its value); ``None`` when the solver ends without a bound."""
-        relaxed = [xs[be.binaries[(key, o)]] for keys in self.classes for key in keys for o in be.options[key]]
-        for x in relaxed:
-            x.cat = pulp.LpContinuous
-        try:
-            _, result = _run_mip(prob, be, xs, gap=gap / 4, clock=clock, nodes=_NODES["counts"], light=True)
-        except SolverError:
-            return None
-        finally:
-            for x in relaxed:
-                x.cat = pulp.LpInteger  # what pulp makes of LpBinary: "Binary" itself would be continuous
-        if result.status == "infeasible" or result.lower is None:
-            return None
-        whole = all(min(v, 1.0 - v) <= 1e-6 for v in ((x.value() or 0.0) for x in relaxed))
-        chosen = None
-        if whole:
-            chosen = {
-                key: max(options, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0)
-                for key, options in be.options.items()
-            }
-        return result.lower, {k: round(n.value() or 0.0) for k, n in counts.items()}, chosen
-
-    def _with_counts(
-        self,
-        prob: pulp.LpProblem,
-        be: LinearBackend,
-        xs: list[pulp.LpVariable],
-        counts: Mapping[tuple[int, Hashable], pulp.LpVariable],
-        values: Mapping[tuple[int, Hashable], int],
-        gap: float,
-        clock: _Clock,
-    ) -> dict[Hashable, Hashable] | None:
-        """Branch and bound with each class of identical segments held to the counts ``values``: where the count
-        relaxation's segments go (its time is fixed, only the peak is left to satisfy)."""
-        for k, n in counts.items():
-            n.lowBound = n.upBound = values[k]
-        try:
-            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, clock=clock, nodes=_NODES["placement"], light=True)
-        except SolverError:
-            chosen = None
-        finally:
-            for k, n in counts.items():
-                n.lowBound, n.upBound = 0, len(self.classes[k[0]])
-        return chosen
-
-    def _neighbourhood(
-        self,
-        prob: pulp.LpProblem,
-        be: LinearBackend,
-        xs: list[pulp.LpVariable],
-        start: dict[Hashable, Hashable],
-        fractional: Mapping[Hashable, Sequence[Hashable]],
-        gap: float,
-        clock: _Clock,
-    ) -> dict[Hashable, Hashable] | None:
-        """Branch and bound over the fractional choices, the global units and a spread of other segments (every
-        other choice fixed to ``start``): finds the swaps rounding misses (one block to full_shard so that
-        another can stay no_shard), in a problem small enough to solve at once."""
-        keys = list(be.options)
-        free = set(fractional) | {g.key for g in self.spec.globals}
-        step = max(len(keys) // _NEIGHBOURHOOD, 1)
-        free.update(keys[::step])
-        free.update(keys[-2:])
-        fixed = []
-        for key in keys:
-            if key in free:
-                continue
-            for o in be.options[key]:
-                x = xs[be.binaries[(key, o)]]
-                value = 1.0 if start[key] == o else 0.0
-                x.lowBound = x.upBound = value
-                fixed.append(x)
-        try:
-            chosen, _ = _run_mip(prob, be, xs, gap=gap / 4, clock=clock, nodes=_NODES["neighbourhood"])
-        except SolverError:
-            chosen = None
-        finally:
-            for x in fixed:
-                x.lowBound, x.upBound = 0, 1
-        return chosen
 
     def _round(
         self, be: LinearBackend, xs: list[pulp.LpVariable]
@@ -1125,12 +1111,15 @@ def _run_mip(
     cutoff: float | None = None,
     light: bool = False,
     seconds: float = 0.0,
+    first: bool = False,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
     """Branch and bound on HiGHS, in process, for at most ``nodes`` nodes, stopped by the safety net ``clock`` (or
     after ``seconds``, if longer; see [Note: work limits]); with ``cutoff`` (of the whole objective) only better
-    plans are searched; ``light`` turns presolve and primal heuristics off (see :data:`_LIGHT`). The status, the
-    dual bound and whether the search ran to its end are read from HiGHS itself (pulp reads every limit as
-    "Optimal"). Raises :class:`SolverError` when no plan was found and the search did not end."""
+    plans are searched, and a search under it that finds nothing proves the cutoff a lower bound (``lower``);
+    ``first`` stops at the first plan found under it; ``light`` turns presolve and primal heuristics off (see
+    :data:`_LIGHT`). The status, the dual bound and whether the search ran to its end are read from HiGHS itself
+    (pulp reads every limit as "Optimal"). Raises :class:`SolverError` when no plan was found and the search did not
+    end."""
     import highspy
 
     time_limit = max(clock.left(), seconds)
@@ -1140,6 +1129,8 @@ def _run_mip(
     options: dict[str, Any] = dict(_LIGHT) if light else {}
     if cutoff is not None:
         options["objective_bound"] = float(cutoff)  # HiGHS prunes every node at or above it
+        if first:
+            options["mip_max_improving_sols"] = 1
     solver = _HiGHS(msg=False, gapRel=gap, timeLimit=time_limit, mip_max_nodes=nodes, **options)
     started = time.perf_counter()
     prob.solve(solver)
@@ -1154,7 +1145,7 @@ def _run_mip(
     if stopped == "time limit":
         clock.hit = True
     if model_status in (statuses.kInfeasible, statuses.kUnboundedOrInfeasible):
-        return None, SolveResult("infeasible", None, elapsed, math.nan, complete=True)
+        return None, SolveResult("infeasible", None, elapsed, math.nan, lower=cutoff, complete=True)
     if info.primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
         limit = f"{time_limit:g} s" if stopped == "time limit" else f"{nodes} nodes"
         raise SolverError(
