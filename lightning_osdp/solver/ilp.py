@@ -41,7 +41,8 @@ The status a solve reports is made in one place, :meth:`Incumbent.result`, from 
 returned and the lower bound held. No phase reports a status of its own, and a bound enters only from a phase that
 proved it: the LP relaxation when HiGHS solved it to optimality (pulp reads HiGHS's time and iteration limits as
 "Optimal", and the objective of a simplex stopped on the way bounds nothing), HiGHS's dual bound, the count
-relaxation's dual bound, and ``value * (1 - gap)`` when a search with that cutoff *ran to its end* and found nothing.
+relaxation's dual bound, and a search's cutoff (``value * (1 - gap)``, or just above ``settle_at`` when a question is
+asked: :meth:`Incumbent.cutoff`) when the search *ran to its end* and found nothing under it.
 A run with a cutoff ``c`` proves ``min(its dual bound, c)``, not its dual bound: HiGHS bounds only the plans under
 the cutoff, and its dual bound can come out above the cutoff and above the incumbent itself. Taking it whole was
 the false certificate ("optimal", "within gap 0.001" for a plan 0.1-0.3% from a fitting faster one:
