@@ -33,8 +33,9 @@ from torch import nn
 
 from lightning_osdp.budget import CUDA_RESERVE_BYTES, check_memory_budget, format_bytes
 from lightning_osdp.cli.batch import BatchSource, batch_source
+from lightning_osdp.cli.batch_search import Probe, largest_batch
 from lightning_osdp.cli.errors import CLIError
-from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile, largest_batch
+from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile
 from lightning_osdp.cli.hardware import HARDWARE, HardwareFigures, get_hardware, get_network, hardware_from_file
 from lightning_osdp.cli.model import (
     RunConfig,
@@ -380,21 +381,21 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
     return run.planner.plan(profile, run.budget, run.topology)
 
 
-def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], bool]:
-    def fits(batch_size: int) -> bool:
+def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], Probe]:
+    def fits(batch_size: int) -> Probe:
         smallest = run.planner.smallest_budget(
             scaled.at(batch_size),
             run.topology,
             settle_at=run.budget,  # only whether some plan fits: settled sooner than the minimum is proved
         )
-        return smallest <= run.budget
+        return Probe(smallest <= run.budget, smallest)
 
     return fits
 
 
 def _infeasible(run: DryRun, err: InfeasibleBudgetError, scaled: BatchScaledProfile, out: Output) -> CLIError:
     with out.step("searching the largest batch any plan fits"):
-        largest = largest_batch(_fits_osdp(run, scaled), limit=run.batch_size - 1) if run.batch_size > 1 else 0
+        largest = largest_batch(_fits_osdp(run, scaled), run.budget, limit=run.batch_size - 1)
     hint = f"; the largest per-device batch any plan fits is {largest}" if largest else ""
     return CLIError(
         f"no plan fits the budget of {format_bytes(run.budget)} per device on {run.world_size} ranks at batch "
@@ -431,8 +432,10 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
     started = time.perf_counter()
     with out.step("searching the largest batch size under the budget for each strategy"):
         for row in rows:
-            fits = _fits_osdp(run, scaled) if row.name == "OSDP" else _fits_plan(run, scaled, row.plan)
-            row.max_batch = largest_batch(fits)
+            if row.name == "OSDP":
+                row.max_batch = largest_batch(_fits_osdp(run, scaled), run.budget)
+            else:
+                row.max_batch = largest_batch(_fits_plan(run, scaled, row.plan), run.planned_budget)
             if row.max_batch:
                 at_max = scaled.at(row.max_batch)
                 plan = _solve(run, at_max) if row.name == "OSDP" else row.plan
@@ -446,8 +449,12 @@ def _measured_selectively(profile: ModelProfile) -> bool:
     return any(m.selective_kept_bytes is not None for m in profile.modules.values())
 
 
-def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[[int], bool]:
-    return lambda b: predict(scaled.at(b), plan, run.topology).peak_bytes <= run.planned_budget
+def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[[int], Probe]:
+    def fits(batch_size: int) -> Probe:
+        peak = predict(scaled.at(batch_size), plan, run.topology).peak_bytes
+        return Probe(peak <= run.planned_budget, peak)
+
+    return fits
 
 
 def _rates(run: DryRun, batch_size: int, seconds: float | None) -> list[str]:

@@ -1,0 +1,104 @@
+"""The largest-batch search of ``osdp plan``: the answer a scan of every batch size gives, in fewer probes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from lightning_osdp.cli.batch_search import Probe, largest_batch
+from lightning_osdp.cli.output import Output
+from lightning_osdp.cli.parsers import add_plan_parser
+from lightning_osdp.cli.plan import _fits_osdp, _fits_plan, _profiles, resolve
+from lightning_osdp.plan import Plan
+
+from conftest import ROOT
+
+GPT_FILE = ROOT / "examples" / "gpt" / "gpt.py"
+
+
+def _doubling_then_halving(fits: list[bool], limit: int) -> int:
+    """How many probes the plain search (doubling from 1, then halving the bracket) makes."""
+    calls, low, high = 1, 1, 2
+    if not fits[1]:
+        return calls
+    while high <= limit and (calls := calls + 1) and fits[high]:
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:
+        calls += 1
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits[mid] else (low, mid)
+    return calls
+
+
+def _probe(answer: int, limit: int, peak: Callable[[int], float], made: list[int]) -> Callable[[int], Probe]:
+    """A probe that fits up to ``answer``, reports ``peak(b)`` and records the sizes it is asked about."""
+
+    def probe(b: int) -> Probe:
+        assert 1 <= b <= limit and b not in made
+        made.append(b)
+        return Probe(b <= answer, peak(b))
+
+    return probe
+
+
+@pytest.mark.parametrize("peaks", ["affine", "noisy", "adversarial", "unknown"])
+def test_the_search_answers_what_a_scan_answers_whatever_the_peaks_say(peaks: str) -> None:
+    """The peaks only choose the probes: with peaks that lie (random, or none) the answer is the scan's still, and
+    no probe is made twice or outside [1, limit]. With affine peaks (a profile's figures are affine in the batch) the
+    search needs at most five probes, and never more than doubling and halving would."""
+    rng = random.Random(32)
+    for _ in range(300):
+        limit = rng.choice([1, 3, 100, 1 << 16])
+        answer = min(rng.choice([0, 1, rng.randint(0, 60), rng.randint(0, 5000)]), limit)
+        base, slope = rng.uniform(0, 100), rng.uniform(0.01, 10)
+        budget = base + slope * (answer + 0.5)
+        peak = {
+            "affine": lambda b, base=base, slope=slope: base + slope * b,
+            "noisy": lambda b, base=base, slope=slope: base + slope * (b + rng.uniform(-3, 3)),
+            "adversarial": lambda b: rng.uniform(-1e3, 1e3),
+            "unknown": lambda b: math.nan,
+        }[peaks]
+        made: list[int] = []
+        assert largest_batch(_probe(answer, limit, peak, made), budget, limit=limit) == answer
+        plain = _doubling_then_halving([b <= answer for b in range(limit + 2)], limit)
+        assert len(made) <= 2 * plain + 4, (answer, made)
+        if peaks == "affine":
+            assert len(made) <= min(plain, 5), (answer, made)
+
+
+def test_osdp_plans_search_equals_a_scan_of_every_batch_size() -> None:
+    """On a small GPT, the largest batch OSDP fits (a minimum-memory solve per probe) and the largest a uniform plan
+    fits (a prediction per probe) are the scan's, and OSDP's search probes fewer sizes than the scan."""
+    init = {"width": 64, "depth": 4, "heads": 4, "context_length": 64, "vocab_size": 256}
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers())
+    argv = ["plan", "--model", f"{GPT_FILE}:GPTModule", "--init-args", json.dumps(init), "--world-size", "4"]
+    argv += ["--hardware", "h100-sxm", "--memory", "1GiB", "--batch-size", "2"]
+    out = Output(quiet=True)
+    run = resolve(parser.parse_args(argv), out)
+    scaled = _profiles(run, out)
+    # A budget that some plan meets up to batch 9 or so: the smallest one at batch 9, from the planner itself.
+    run.budget = run.planner.smallest_budget(scaled.at(9), run.topology)
+    osdp_probe = _fits_osdp(run, scaled)
+    scan = [osdp_probe(b).fits for b in range(1, 25)]
+    assert scan[0] and not scan[-1]
+    expected = max(b for b, fits in enumerate(scan, 1) if fits)
+    assert all(scan[:expected]) and not any(scan[expected:]), scan  # what the search relies on
+    made: list[int] = []
+
+    def counted(b: int) -> Probe:
+        made.append(b)
+        return osdp_probe(b)
+
+    assert largest_batch(counted, run.budget) == expected >= 9
+    assert len(made) < expected
+    fsdp = Plan.uniform(run.model, "full_shard")
+    plan_probe = _fits_plan(run, scaled, fsdp)
+    plan_scan = [plan_probe(b).fits for b in range(1, 41)]
+    assert largest_batch(plan_probe, run.planned_budget) == sum(plan_scan) > 0
