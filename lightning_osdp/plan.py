@@ -42,6 +42,7 @@ __all__ = [
     "PLAN_FORMAT",
     "PLAN_VERSION",
     "RECOMPUTATIONS",
+    "RECOMPUTE_NAMES",
     "Decision",
     "DecisionLike",
     "Mode",
@@ -66,6 +67,9 @@ Recomputation = Literal["none", "selective", "full"]
 
 #: What a decision's ``recompute`` may be: nothing recomputed, per-operator (selective) or whole-forward recomputation.
 RECOMPUTATIONS: tuple[str, ...] = ("none", "selective", "full")
+#: The one name every report gives a recomputation (as published runs do): activation checkpointing, ``AC``, for
+#: ``"full"``; selective activation checkpointing, ``SAC``, for ``"selective"``.
+RECOMPUTE_NAMES: dict[str, str] = {"full": "AC", "selective": "SAC"}
 
 #: ``format`` field of a plan file.
 PLAN_FORMAT = "lightning_osdp.plan"
@@ -354,23 +358,19 @@ class Plan:
             raise PlanError(f"{path}: not a plan file (its JSON is nested too deeply to read)") from None
         return cls.from_dict(data, source=str(path))
 
+    def counts(self) -> str:
+        """The decisions by mode, then the splits and recomputations, named as every report names them (full
+        recomputation ``AC``, selective ``SAC``: :data:`RECOMPUTE_NAMES`): ``"1 no_shard, 34 hybrid_shard, 2 split,
+        33 AC"`` (empty for no decision)."""
+        decisions = list(self.decisions.values())
+        counts = [(m, sum(d.mode == m for d in decisions)) for m in MODES]
+        counts.append(("split", sum(d.split > 1 for d in decisions)))
+        counts += [(name, sum(d.recompute == how for d in decisions)) for how, name in RECOMPUTE_NAMES.items()]
+        return ", ".join(f"{n} {label}" for label, n in counts if n)
+
     def summary(self) -> str:
-        """One line: how many decisions take each mode, and any splits, full recomputations (``recompute``) and
-        selective ones (``selective``)."""
-        counts = {m: 0 for m in MODES}
-        for d in self.decisions.values():
-            counts[d.mode] += 1
-        splits = sum(1 for d in self.decisions.values() if d.split > 1)
-        recomputed = sum(1 for d in self.decisions.values() if d.recompute == "full")
-        selective = sum(1 for d in self.decisions.values() if d.recompute == "selective")
-        parts = [f"{n} {m}" for m, n in counts.items() if n]
-        if splits:
-            parts.append(f"{splits} split")
-        if recomputed:
-            parts.append(f"{recomputed} recompute")
-        if selective:
-            parts.append(f"{selective} selective")
-        return f"Plan({len(self.decisions)} decisions: {', '.join(parts) or 'empty'})"
+        """One line: ``Plan(N decisions: ...)`` with :meth:`counts`."""
+        return f"Plan({len(self.decisions)} decisions: {self.counts() or 'empty'})"
 
 
 def _read_plan_file(path: Path) -> bytes:

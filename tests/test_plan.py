@@ -182,7 +182,7 @@ def test_recompute_is_spelled_in_python_and_json_and_older_files_load_unchanged(
     assert [plan.decisions[f"h.{i}"].recompute for i in range(3)] == ["full", "selective", "full"]
     assert plan.decisions["wte"].recompute == "none" and not plan.decisions["wte"].recomputes
     assert Decision("full_shard", recompute=True) == Decision("full_shard", recompute="full")
-    assert plan.summary() == "Plan(5 decisions: 2 no_shard, 1 shard_grad_op, 2 full_shard, 2 recompute, 1 selective)"
+    assert plan.summary() == "Plan(5 decisions: 2 no_shard, 1 shard_grad_op, 2 full_shard, 2 AC, 1 SAC)"
     data = json.loads(plan.save(tmp_path / "plan.json").read_text())
     assert data["version"] == 3
     assert data["decisions"]["h.0"] == {"mode": "full_shard", "split": 1, "recompute": "full"}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from lightning_osdp.budget import format_bytes
 from lightning_osdp.cost_model.prediction import Prediction
-from lightning_osdp.plan import MODES, Plan
+from lightning_osdp.plan import RECOMPUTE_NAMES, Plan
 
 __all__ = ["PLAN_LEGEND", "decision_counts", "format_plan"]
 
@@ -28,9 +28,6 @@ PLAN_LEGEND: tuple[str, ...] = (
 )
 
 #: How a plan table names a unit's recomputation (``Decision.recompute``), full before selective.
-_RECOMPUTE_NAMES = {"none": "", "full": "AC", "selective": "SAC"}
-
-
 def format_plan(
     plan: Plan,
     prediction: Prediction,
@@ -71,7 +68,7 @@ def format_plan(
                 _count(u.param_count),
                 u.mode,
                 str(u.split),
-                _RECOMPUTE_NAMES[plan.decisions[u.name].recompute] if u.name in plan.decisions else "",
+                RECOMPUTE_NAMES.get(plan.decisions[u.name].recompute, "") if u.name in plan.decisions else "",
                 format_bytes(u.kept.total),
                 format_bytes(u.gathered),
                 f"{u.time.communication * 1e3:.2f}",
@@ -109,20 +106,15 @@ def format_plan(
         + (f"; solver: {status}" if status else ""),
         *(PLAN_LEGEND if legend else ()),
     ]
-    title = f"OSDP plan: Plan({len(plan.decisions)} decisions: {decision_counts(plan) or 'empty'})"
+    title = f"OSDP plan: {plan.summary()}"
     if use_rich:
         return _rich(title, headers, rows, total, footer, width)
     return _plain(title, headers, rows, total, footer)
 
 
 def decision_counts(plan: Plan) -> str:
-    """A plan's decisions by mode, then its splits and recomputations as the plan table names them (AC, SAC):
-    ``"1 no_shard, 34 hybrid_shard, 2 split, 33 AC"``."""
-    decisions = list(plan.decisions.values())
-    counts = [(m, sum(d.mode == m for d in decisions)) for m in MODES]
-    counts.append(("split", sum(d.split > 1 for d in decisions)))
-    counts += [(name, sum(d.recompute == how for d in decisions)) for how, name in _RECOMPUTE_NAMES.items() if name]
-    return ", ".join(f"{n} {label}" for label, n in counts if n)
+    """``plan.counts()``: its decisions by mode, splits and recomputations (AC, SAC)."""
+    return plan.counts()
 
 
 _BLOCK = re.compile(r"^(.*\.)(\d+)$")
