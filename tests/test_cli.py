@@ -33,6 +33,7 @@ from lightning_osdp.cli.hardware import (
 from lightning_osdp.cli.model import build_on_meta, discover_cli_model, import_object, read_configs
 from lightning_osdp.cli.output import Output, plain_table
 from lightning_osdp.cost_model.network import Network
+from lightning_osdp.solver.report import PLAN_LEGEND
 
 from conftest import ROOT, child_env
 from models import TinyGPT, loaders
@@ -504,8 +505,11 @@ def test_show_a_plan_file_with_its_profile(capsys: pytest.CaptureFixture[str], s
     peak = re.search(r"predicted peak ([\d.]+ MiB) of budget 50.00 MiB", out)
     assert plan.report is not None
     assert peak and gib(peak.group(1)) * GIB == pytest.approx(plan.report.predicted_peak_bytes, rel=1e-3)
+    assert PLAN_LEGEND[0] in out  # every column explained, as under osdp plan
+    code, every, _ = osdp(capsys, "show", path, "--all-units")
+    assert code == 0 and len(every.splitlines()) >= len(out.splitlines())
     for name, decision in plan:
-        assert re.search(rf"^{re.escape(name or '<root>')}\s.*\s{decision.mode}\s", out, re.M), name
+        assert re.search(rf"^{re.escape(name or '<root>')}\s.*\s{decision.mode}\s", every, re.M), name
 
 
 def test_show_plot_needs_matplotlib_and_draws_with_it(

@@ -256,6 +256,11 @@ def add_show_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--profile", action="store_true", help="also print the per-module profile")
     parser.add_argument("--depth", type=int, default=None, metavar="D", help="fold the profile table to depth D")
     parser.add_argument(
+        "--all-units",
+        action="store_true",
+        help="list every unit in the plan table (default: runs of identical blocks folded into one line)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="FILE.png",
         help="draw the memory over the step beside FSDP's, and the plan (needs matplotlib)",

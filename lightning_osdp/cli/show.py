@@ -148,7 +148,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
         _decisions_only(saved, out)
         return 0
     prediction = predict(saved.profile, saved.plan, world_size)
-    out.print(format_plan(saved.plan, prediction, budget=saved.budget, rich_markup=out.rich))
+    out.print(
+        format_plan(
+            saved.plan, prediction, budget=saved.budget, rich_markup=out.rich, fold=not args.all_units, legend=True
+        )
+    )
     if args.profile:
         out.print("")
         if out.rich:
