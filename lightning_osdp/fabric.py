@@ -282,6 +282,11 @@ class OSDPFabricStrategy(ParallelStrategy):
         return self._memory_budget
 
     @property
+    def planner_options(self) -> PlannerOptions:
+        """The planner's options (modes, split, recomputation, solver limits, headroom), as ``OSDPStrategy``'s."""
+        return self._planner
+
+    @property
     def profile(self) -> ModelProfile | None:
         """The profile the plan was solved from (``None`` for a given plan), with any measured correction."""
         return self._monitor.profile if self._monitor is not None else self._profile

@@ -182,7 +182,7 @@ def tight_budget(fabric: L.Fabric) -> int:
     tenth (another profile of the same model measures a little differently)."""
     strategy = fabric.strategy
     assert isinstance(strategy, OSDPFabricStrategy) and strategy.profile is not None
-    return int(strategy._planner.smallest_budget(strategy.profile, strategy.topology) * 1.1)
+    return int(strategy.planner_options.smallest_budget(strategy.profile, strategy.topology) * 1.1)
 
 
 def collectives(fabric: L.Fabric) -> dict[str, Any]:
