@@ -9,18 +9,20 @@ embedding, learned positions), profiles it on fake tensors with the built-in fig
 cost model (``cost_model.predict``). The prediction per GPU is the published micro-batch's tokens over the
 micro-batch's step, the optimizer's step spread over the accumulation steps.
 
-Calibration. The one calibrated constant is ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
+Calibration. The calibrated constants are ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
 [Note: a training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training
-step reaches. Every profile time is ``a + b / efficiency`` (operators' latency and memory-bound work, plus FLOPs at
-the rate), so each run is traced twice (at efficiency 1 and 1/2) and its profile at any other efficiency follows
-exactly, as ``cli.estimate.BatchScaledProfile`` does for the batch size (up to operators that change sides of the
-roofline between the two, whose bytes are small). The cost model is run exactly at efficiency 1 and 0.6 and linearly
-interpolated in ``1 / efficiency`` between them to search the grid (the script prints how far that is from the exact
-prediction at the chosen value); every figure in the tables is exact. The efficiency is chosen as the grid value with
-the least mean absolute log error of throughput over the calibrating runs: "all" calibrates on every run, "held out"
-predicts each source's runs with the value calibrated on the other sources only. ``--calibrate-memory`` adds a second
-constant, the memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``, else kept at its assumed
-value), traced a third time at half of it and interpolated bilinearly.
+step reaches, one per GPU generation (Hopper, Ampere). Every profile time is ``a + b / efficiency`` (operators'
+latency and memory-bound work, plus FLOPs at the rate), so each run is traced twice (at efficiency 1 and 1/2) and its
+profile at any other efficiency follows exactly, as ``cli.estimate.BatchScaledProfile`` does for the batch size (up
+to operators that change sides of the roofline between the two, whose bytes are small). The cost model is run exactly
+at efficiency 1 and 0.6 and linearly interpolated in ``1 / efficiency`` between them to search the grid (the script
+prints how far that is from the exact prediction at the chosen values); every figure in the tables is exact. Each
+generation's efficiency is the grid value with the least mean absolute log error of throughput over the calibrating
+runs on that generation: "all" calibrates on every eager run, "held out" predicts each source's runs with the values
+calibrated on the other sources' eager runs only. Runs whose step was compiled (torch.compile) or hand-fused are
+predicted and reported but not calibrated on: the trace is of the eager step, whose memory-bound operators such a step
+fuses away. ``--calibrate-memory`` adds the memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``,
+else kept at its assumed value), traced a third time at half of it and interpolated bilinearly.
 
 Memory. Beside the allocated peak, the reserved peak and the device total of ``cli/reserved_memory.py``, and whether
 the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
@@ -79,9 +81,11 @@ _SHARDINGS = ("full_shard", "hybrid_shard", "shard_grad_op")
 _RECOMPUTE = ("none", "selective", "full")
 _PRECISIONS = ("bf16-fsdp", "bf16-mixed")
 _MODELS = ("llama", "gpt")
+#: How the published step ran: the dry run traces the eager step, so only ``"eager"`` runs calibrate it.
+_STEPS = ("eager", "torch.compile", "fused kernels")
 _REQUIRED = (
     "id", "source", "citation", "model", "shape", "hardware", "nodes", "gpus_per_node", "micro_batch", "grad_accum",
-    "seq_len", "precision", "recompute", "sharding", "tokens_per_second_per_gpu",
+    "seq_len", "precision", "recompute", "sharding", "step", "tokens_per_second_per_gpu",
 )  # fmt: skip
 
 
@@ -103,6 +107,7 @@ class PublishedRun:
     precision: str
     recompute: str
     sharding: str
+    step: str
     tokens_per_second_per_gpu: float
     network: str | None = None
     mfu: float | None = None
@@ -114,6 +119,12 @@ class PublishedRun:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the run's step is the eager step the dry run traces (compiled or hand-fused steps are predicted
+        and reported, not calibrated on)."""
+        return self.step == "eager"
 
 
 def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
@@ -130,6 +141,7 @@ def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
             ("sharding", run.sharding, _SHARDINGS),
             ("recompute", run.recompute, _RECOMPUTE),
             ("precision", run.precision, _PRECISIONS),
+            ("step", run.step, _STEPS),
         ):
             if value not in known:
                 raise ValueError(f"{path}: run {run.id}: {field} {value!r} is not one of {', '.join(known)}")
@@ -158,10 +170,10 @@ def build_model(run: PublishedRun) -> torch.nn.Module:
 
 
 def figures_of(
-    run: PublishedRun, efficiency: float = TRAINING_MATMUL_EFFICIENCY, memory: float = MEMORY_EFFICIENCY
+    run: PublishedRun, efficiency: float | None = None, memory: float = MEMORY_EFFICIENCY
 ) -> HardwareFigures:
-    """The built-in figures of the run's GPUs, nodes and network, matmuls at ``efficiency`` of their ceilings and
-    memory-bound operators at ``memory`` of the DRAM bandwidth."""
+    """The built-in figures of the run's GPUs, nodes and network, matmuls at ``efficiency`` of their ceilings (default:
+    the code's for the GPU's generation) and memory-bound operators at ``memory`` of the DRAM bandwidth."""
     network = get_network(run.network) if run.network else None
     hardware = get_hardware(run.hardware)
     return hardware.figures(
@@ -336,18 +348,47 @@ def corners_of(traced: TracedRun) -> Corners:
     return Corners(traced.run, steps)
 
 
-Rates = tuple[float, float]
+#: The matmul efficiencies of the GPU generations (in this order) and the memory-bound share of the DRAM bandwidth.
+Rates = tuple[float, float, float]
+GENERATIONS = ("hopper", "ampere")
+
+
+def generation(run: PublishedRun) -> str:
+    """The run's GPU generation (``Hardware.generation``)."""
+    return get_hardware(run.hardware).generation
+
+
+def efficiency_of(run: PublishedRun, rates: Rates) -> float:
+    """The matmul efficiency ``rates`` give the run's GPU."""
+    return rates[GENERATIONS.index(generation(run))]
 
 
 def calibrate(
     corners: dict[str, Corners], runs: list[PublishedRun], memory_grid: tuple[float, ...] = (MEMORY_EFFICIENCY,)
 ) -> Rates:
-    """The grid's (matmul, memory) efficiencies with the least mean absolute log error of throughput over ``runs``."""
+    """Per GPU generation, the grid's matmul efficiency with the least mean absolute log error of throughput over the
+    eager runs of ``runs`` on that generation (see :attr:`PublishedRun.calibrates`; a generation without any takes
+    the value that is best over all of them), at the memory share of the grid whose total error is least."""
+    eager = [r for r in runs if r.calibrates]
+    if not eager:
+        raise ValueError("no eager run to calibrate on")
 
-    def loss(rates: Rates) -> float:
-        return statistics.fmean(abs(math.log(corners[r.id].ratio(*rates))) for r in runs)
+    def error(subset: list[PublishedRun], e: float, m: float) -> float:
+        return statistics.fmean(abs(math.log(corners[r.id].ratio(e, m))) for r in subset)
 
-    return min(((e, m) for e in MATMUL_GRID for m in memory_grid), key=loss)
+    best: tuple[float, Rates] | None = None
+    for m in memory_grid:
+        shared = min(MATMUL_GRID, key=lambda e: error(eager, e, m))
+        chosen = []
+        for g in GENERATIONS:
+            own = [r for r in eager if generation(r) == g]
+            chosen.append(min(MATMUL_GRID, key=lambda e: error(own, e, m)) if own else shared)
+        rates: Rates = (chosen[0], chosen[1], m)
+        total = statistics.fmean(abs(math.log(corners[r.id].ratio(efficiency_of(r, rates), m))) for r in eager)
+        if best is None or total < best[0]:
+            best = (total, rates)
+    assert best is not None
+    return best[1]
 
 
 def summary(
@@ -359,13 +400,14 @@ def summary(
     """Per source: the rates calibrated on all runs and without the source, and the median and worst absolute
     throughput error of the source's runs at each, by ``ratio`` (predicted over published; default: the corners'
     interpolation)."""
-    ratio = ratio or (lambda run, rates: corners[run.id].ratio(*rates))
+    ratio = ratio or (lambda run, rates: corners[run.id].ratio(efficiency_of(run, rates), rates[2]))
     everything = calibrate(corners, runs, memory_grid)
     rows = []
     for source in sorted({r.source for r in runs}):
         own = [r for r in runs if r.source == source]
         others = [r for r in runs if r.source != source]
-        held = calibrate(corners, others, memory_grid) if others else everything  # one source only: nothing to hold out
+        # One source only, or no other eager run: nothing to hold out.
+        held = calibrate(corners, others, memory_grid) if any(r.calibrates for r in others) else everything
         row: dict[str, Any] = {"source": source, "runs": len(own), "rates_all": everything, "rates_held_out": held}
         for key, rates in (("all", everything), ("held_out", held)):
             errors = [abs(ratio(r, rates) - 1.0) for r in own]
@@ -377,6 +419,10 @@ def summary(
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.1f}"
+
+
+def _rates(rates: Rates) -> str:
+    return f"Hopper {rates[0]:.3f}, Ampere {rates[1]:.3f}, memory {rates[2]:.2f}"
 
 
 def main() -> None:
@@ -398,12 +444,13 @@ def main() -> None:
         traced[run.id] = trace_run(run, memory_axis=args.calibrate_memory)
         corners[run.id] = corners_of(traced[run.id])
         print(f"# {run.id}: traced in {traced[run.id].seconds:.0f} s", file=sys.stderr)
-    exact: dict[tuple[str, Rates], RowPrediction] = {}
+    exact: dict[tuple[str, float, float], RowPrediction] = {}
 
     def at(run: PublishedRun, rates: Rates) -> RowPrediction:
-        if (run.id, rates) not in exact:
-            exact[run.id, rates] = predict_run(traced[run.id], *rates)
-        return exact[run.id, rates]
+        key = (run.id, efficiency_of(run, rates), rates[2])
+        if key not in exact:
+            exact[key] = predict_run(traced[run.id], *key[1:])
+        return exact[key]
 
     def ratio(run: PublishedRun, rates: Rates) -> float:
         return at(run, rates).tokens_per_second_per_gpu / run.tokens_per_second_per_gpu
@@ -411,32 +458,33 @@ def main() -> None:
     by_source = summary(runs, corners, ratio, memory_grid)
     everything: Rates = by_source[0]["rates_all"]
     held = {s["source"]: s["rates_held_out"] for s in by_source}
-    code: Rates = (TRAINING_MATMUL_EFFICIENCY, MEMORY_EFFICIENCY)
-    ceiling: Rates = (1.0, MEMORY_EFFICIENCY)
-    worst_interpolation = max(abs(corners[r.id].ratio(*everything) / ratio(r, everything) - 1) for r in runs)
-    print(
-        f"Calibrated on all runs: matmuls and attention at {everything[0]:.3f} of their published ceilings, "
-        f"memory-bound operators at {everything[1]:.2f} of the DRAM bandwidth (the code's: {code[0]:.3f}, "
-        f"{code[1]:.2f}); grids {MATMUL_GRID[0]}-{MATMUL_GRID[-1]} and {memory_grid[0]}-{memory_grid[-1]}; the "
-        f"interpolation between the corners is within {worst_interpolation:.1%} of the exact prediction there.\n"
+    code: Rates = (TRAINING_MATMUL_EFFICIENCY["hopper"], TRAINING_MATMUL_EFFICIENCY["ampere"], MEMORY_EFFICIENCY)
+    ceiling: Rates = (1.0, 1.0, MEMORY_EFFICIENCY)
+    worst_interpolation = max(
+        abs(corners[r.id].ratio(efficiency_of(r, everything), everything[2]) / ratio(r, everything) - 1) for r in runs
     )
     print(
-        "| source | runs | rates, all (matmul, memory) | rates, held out | median error, all | worst, all | "
-        "median error, held out | worst, held out |"
+        f"Calibrated on all eager runs: matmuls and attention at {_rates(everything)} (the code's: {_rates(code)}); "
+        f"grids {MATMUL_GRID[0]}-{MATMUL_GRID[-1]} and {memory_grid[0]}-{memory_grid[-1]}; the interpolation between "
+        f"the corners is within {worst_interpolation:.1%} of the exact prediction there.\n"
+    )
+    print(
+        "| source | runs | calibrated on all | held out: calibrated without the source | median error, all | "
+        "worst, all | median error, held out | worst, held out |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for s in by_source:
         print(
-            f"| {s['source']} | {s['runs']} | {s['rates_all'][0]:.3f}, {s['rates_all'][1]:.2f} | "
-            f"{s['rates_held_out'][0]:.3f}, {s['rates_held_out'][1]:.2f} | {s['median_error_all']:.1%} | "
-            f"{s['worst_error_all']:.1%} | {s['median_error_held_out']:.1%} | {s['worst_error_held_out']:.1%} |"
+            f"| {s['source']} | {s['runs']} | {_rates(s['rates_all'])} | {_rates(s['rates_held_out'])} | "
+            f"{s['median_error_all']:.1%} | {s['worst_error_all']:.1%} | {s['median_error_held_out']:.1%} | "
+            f"{s['worst_error_held_out']:.1%} |"
         )
     print()
     print(
-        "| run | GPUs | batch | AC | sharding | published tok/s/GPU | at the ceilings (ratio) | calibrated, all "
+        "| run | GPUs | batch | AC | sharding | step | published tok/s/GPU | at the ceilings (ratio) | calibrated, all "
         "(ratio) | held out (ratio) | allocated / reserved / device GiB | published GiB | fits |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out = []
     for run in runs:
         top, cal, ho = at(run, ceiling), at(run, everything), at(run, held[run.source])
@@ -446,6 +494,7 @@ def main() -> None:
         print(
             f"| {run.id} | {run.nodes} x {run.gpus_per_node} {run.hardware} | {run.micro_batch} x {run.seq_len}"
             f"{f' (x{run.grad_accum})' if run.grad_accum > 1 else ''} | {run.recompute} | {run.sharding} | "
+            f"{run.step} | "
             f"{pub:,.0f} | {top.tokens_per_second_per_gpu:,.0f} ({top.tokens_per_second_per_gpu / pub:.2f}) | "
             f"{cal.tokens_per_second_per_gpu:,.0f} ({cal.tokens_per_second_per_gpu / pub:.2f}) | "
             f"{ho.tokens_per_second_per_gpu:,.0f} ({ho.tokens_per_second_per_gpu / pub:.2f}) | "

@@ -284,7 +284,7 @@ def test_ring_collective_figures() -> None:
     a100 = HARDWARE["a100-80g-nvlink"]
     half = a100.figures(8, "bf16-mixed").rates.matmul_flops_per_second
     single = a100.figures(8, "32-true").rates.matmul_flops_per_second
-    assert half / single == pytest.approx(271.2 * TRAINING_MATMUL_EFFICIENCY / (19.5 * 0.7))
+    assert half / single == pytest.approx(271.2 * TRAINING_MATMUL_EFFICIENCY["ampere"] / (19.5 * 0.7))
 
 
 def test_hardware_lists_every_built_in_entry(capsys: pytest.CaptureFixture[str]) -> None:

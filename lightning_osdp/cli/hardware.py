@@ -115,12 +115,15 @@ TFLOPS = 1e12
 # on the shapes the model has, and the published eager-mode runs of docs/benchmarks.md ("Calibration against published
 # runs") sit 2-36% below a prediction made at the ceilings (the runs that use torch.compile or hand-fused kernels,
 # which the trace of the eager step does not see, sit above it). So a dry run
-# charges matmuls and attention at TRAINING_MATMUL_EFFICIENCY of their published ceilings. It is one constant for all
-# GPUs and shapes, not a fit per run: calibrated on the published runs of ``benchmarks/published_runs.json``
-# (``benchmarks/calibration.py`` picks the value whose mean absolute log error of throughput over all runs is least)
-# and checked leave-one-source-out (each source predicted with the value calibrated without it). It applies where the
-# ceiling is a published measurement; the round 70% of a data-sheet peak below already stands for a training rate.
-TRAINING_MATMUL_EFFICIENCY = 0.825
+# charges matmuls and attention at TRAINING_MATMUL_EFFICIENCY of their published ceilings: one constant per GPU
+# generation (the Hopper parts reach a smaller share of their microbenchmark maximum in training than the Ampere ones:
+# a higher ceiling against the same kinds of memory-bound work and stalls, and a maximum measured in short bursts of a
+# 700 W part), for all shapes, not a fit per run. Calibrated on the published eager-mode runs of
+# ``benchmarks/published_runs.json`` (``benchmarks/calibration.py`` picks, per generation, the value whose mean
+# absolute log error of throughput is least) and checked leave-one-source-out (each source predicted with the values
+# calibrated without it). It applies where the ceiling is a published measurement; the round 70% of a data-sheet peak
+# below already stands for a training rate.
+TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.75, "ampere": 0.85}
 # NOTE: round factors applied to data-sheet peaks that have no measurement. Large transformer GEMMs reach 70-85% of
 # the dense tensor-core peak in cuBLAS; the smaller matmuls of a step (attention, narrow projections) less, so 0.7.
 MATMUL_EFFICIENCY_HALF = 0.7
@@ -324,13 +327,16 @@ class Hardware:
         *,
         nodes: int | None = None,
         network: Link | None = None,
-        training_efficiency: float = TRAINING_MATMUL_EFFICIENCY,
+        training_efficiency: float | None = None,
         memory_efficiency: float = MEMORY_EFFICIENCY,
     ) -> HardwareFigures:
         """Rates and collective fits of ``world_size`` of these GPUs training at ``precision``, on ``nodes`` nodes
         (default: as few as hold them) joined by ``network`` (default: the entry's own, ``inter``); matmuls and
-        attention at ``training_efficiency`` of their published ceilings (see [Note: a training step is not a
-        microbenchmark]), and memory-bound operators at ``memory_efficiency`` of the DRAM bandwidth."""
+        attention at ``training_efficiency`` of their published ceilings (default: the generation's
+        :data:`TRAINING_MATMUL_EFFICIENCY`; see [Note: a training step is not a microbenchmark]), and memory-bound
+        operators at ``memory_efficiency`` of the DRAM bandwidth."""
+        if training_efficiency is None:
+            training_efficiency = TRAINING_MATMUL_EFFICIENCY[self.generation]
         for name, value in (("training_efficiency", training_efficiency), ("memory_efficiency", memory_efficiency)):
             if not 0.0 < value <= 1.0:
                 raise CLIError(f"{name} must be in (0, 1], got {value}")
@@ -797,8 +803,9 @@ def run(args: argparse.Namespace, out: Output) -> int:
         )
     notes = [
         "TFLOPS: dense data-sheet peaks; a dry run's matmuls reach the 'achieved' column in half precision (a "
-        f"published measured maximum, charged at {TRAINING_MATMUL_EFFICIENCY:.1%} of it in a training step, attention "
-        f"too; '-': none is published, {MATMUL_EFFICIENCY_HALF:.0%} of the peak assumed) or "
+        "published measured maximum, charged in a training step at "
+        + " and ".join(f"{v:.1%} of it on {g.title()}" for g, v in TRAINING_MATMUL_EFFICIENCY.items())
+        + f" parts, attention too; '-': none is published, {MATMUL_EFFICIENCY_HALF:.0%} of the peak assumed) or "
         f"{MATMUL_EFFICIENCY_FP32:.0%} of the FP32 peak (32-true), on the roofline of their bytes at "
         f"{MEMORY_EFFICIENCY:.0%} of the DRAM bandwidth; attention at FlashAttention-2's published rates. Bus "
         "bandwidths: NCCL busbw of large collectives, of the order public nccl-tests runs report, across nodes "
