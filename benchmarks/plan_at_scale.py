@@ -73,7 +73,12 @@ def run(name: str, *, search: bool, time_limit: float | None = None) -> dict[str
     note = _NOTE.search(text)
     stages = dict(re.findall(r"(profiling|solve|batch search|model|HiGHS) ([0-9.]+) s", note.group(2))) if note else {}
     rows = ("OSDP ", "DDP ", "ZeRO-2", "FSDP", "HSDP")
-    table = [line for line in proc.stdout.splitlines() if line.startswith(rows) and "plan:" not in line]
+    table: list[str] = []  # the comparison, the first block of strategy rows (the parts tables follow)
+    for line in proc.stdout.splitlines():
+        if line.startswith(rows) and "plan:" not in line:
+            table.append(line)
+        elif table:
+            break
     return {"name": name, "wall": wall, "cpu": cpu, "stages": stages, "table": table}
 
 
