@@ -83,5 +83,5 @@ def _crossing(points: list[tuple[int, float]], budget: float) -> int | None:
     b1, p1 = next(((b, p) for b, p in reversed(known) if b != b2), (b2, p2))
     if b1 == b2 or p1 == p2 or (p2 - p1) / (b2 - b1) <= 0:
         return None
-    slope = (p2 - p1) / (b2 - b1)
-    return math.floor(b2 + (budget - p2) / slope)
+    crossing = b2 + (budget - p2) / ((p2 - p1) / (b2 - b1))
+    return math.floor(crossing) if math.isfinite(crossing) else None
