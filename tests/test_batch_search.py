@@ -99,6 +99,6 @@ def test_osdp_plans_search_equals_a_scan_of_every_batch_size() -> None:
     assert largest_batch(counted, run.budget) == expected >= 9
     assert len(made) < expected
     fsdp = Plan.uniform(run.model, "full_shard")
-    plan_probe = _fits_plan(run, scaled, fsdp)
+    plan_probe = _fits_plan(run, scaled, fsdp, {})
     plan_scan = [plan_probe(b).fits for b in range(1, 41)]
     assert largest_batch(plan_probe, run.planned_budget) == sum(plan_scan) > 0

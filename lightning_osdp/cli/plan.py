@@ -432,14 +432,18 @@ def compare(run: DryRun, scaled: BatchScaledProfile, out: Output, *, search: boo
     started = time.perf_counter()
     with out.step("searching the largest batch size under the budget for each strategy"):
         for row in rows:
+            # Predictions already made (at the requested batch size, and a baseline's probes) are not made again.
+            known = {run.batch_size: row.prediction}
             if row.name == "OSDP":
                 row.max_batch = largest_batch(_fits_osdp(run, scaled), run.budget)
             else:
-                row.max_batch = largest_batch(_fits_plan(run, scaled, row.plan), run.planned_budget)
+                row.max_batch = largest_batch(_fits_plan(run, scaled, row.plan, known), run.planned_budget)
             if row.max_batch:
-                at_max = scaled.at(row.max_batch)
-                plan = _solve(run, at_max) if row.name == "OSDP" else row.plan
-                row.max_batch_seconds = predict(at_max, plan, run.topology).step_seconds
+                if row.max_batch not in known:
+                    at_max = scaled.at(row.max_batch)
+                    plan = _solve(run, at_max) if row.name == "OSDP" else row.plan
+                    known[row.max_batch] = predict(at_max, plan, run.topology)
+                row.max_batch_seconds = known[row.max_batch].step_seconds
     run.seconds["batch search"] = time.perf_counter() - started
     return rows
 
@@ -449,9 +453,15 @@ def _measured_selectively(profile: ModelProfile) -> bool:
     return any(m.selective_kept_bytes is not None for m in profile.modules.values())
 
 
-def _fits_plan(run: DryRun, scaled: BatchScaledProfile, plan: Plan) -> Callable[[int], Probe]:
+def _fits_plan(
+    run: DryRun, scaled: BatchScaledProfile, plan: Plan, known: dict[int, Prediction]
+) -> Callable[[int], Probe]:
+    """Whether ``plan`` fits at a batch size, from its prediction there (kept in ``known``, by batch size)."""
+
     def fits(batch_size: int) -> Probe:
-        peak = predict(scaled.at(batch_size), plan, run.topology).peak_bytes
+        if batch_size not in known:
+            known[batch_size] = predict(scaled.at(batch_size), plan, run.topology)
+        peak = known[batch_size].peak_bytes
         return Probe(peak <= run.planned_budget, peak)
 
     return fits
