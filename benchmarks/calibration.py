@@ -63,8 +63,7 @@ from lightning_osdp.cli.hardware import (
 from lightning_osdp.cli.reserved_memory import DeviceMemory, device_memory
 from lightning_osdp.cost_model import predict
 from lightning_osdp.options import BF16_POLICY
-from lightning_osdp.plan import ROOT as PLAN_ROOT
-from lightning_osdp.plan import Decision, Plan
+from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile
 
 RUNS_FILE = Path(__file__).resolve().with_name("published_runs.json")
@@ -273,12 +272,7 @@ def trace_run(run: PublishedRun, *, memory_axis: bool = False) -> TracedRun:
 def published_plan(run: PublishedRun, module: torch.nn.Module) -> Plan:
     """The published configuration as a plan: the root and every default unit (block) in the run's sharding mode,
     the blocks recomputed as published."""
-    uniform = Plan.uniform(module, run.sharding)
-    decisions = {
-        name: Decision(run.sharding, recompute=run.recompute if name != PLAN_ROOT else "none")  # type: ignore[arg-type]
-        for name in uniform.decisions
-    }
-    return Plan(decisions)
+    return Plan.uniform(module, run.sharding, recompute=run.recompute)  # type: ignore[arg-type]  # checked on load
 
 
 @dataclass(frozen=True)
