@@ -127,3 +127,14 @@ def test_reserved_memory_adds_fragmentation_of_the_transient_bytes_and_what_live
     assert memory.fits(memory.device_total) and not memory.fits(memory.device_total - 1)
     with pytest.raises(ValueError, match="transient <= allocated"):
         device_memory(GIB, 2 * GIB)
+
+
+def test_the_published_7b_at_batch_6_x_2048_fits_the_80_gb_card_it_ran_on() -> None:
+    # llm-foundry's MPT-7B, FULL_SHARD without recomputation on 8 H100 80GB: issue 35's example of a "does not fit"
+    # verdict for a published run that ran. Judged on the device total: reserved memory, NCCL's buffers, the context.
+    (run,) = [r for r in calibration.load_runs() if r.id == "mf-7b-2048-8xh100"]
+    traced = calibration.trace_run(run)
+    prediction = calibration.predict_run(traced, 1.0, calibration.MEMORY_CORNERS[0])
+    assert prediction.card_bytes == 80 * GIB
+    assert prediction.memory.allocated < prediction.memory.reserved < prediction.memory.device_total < 80 * GIB
+    assert prediction.fits
