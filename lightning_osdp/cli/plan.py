@@ -47,6 +47,7 @@ from lightning_osdp.cli.model import (
 )
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
+from lightning_osdp.cli.reserved_memory import plan_memory_line
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan, Recomputation
@@ -665,6 +666,8 @@ def _report(
             osdp.plan, osdp.prediction, budget=run.budget, rich_markup=out.rich, fold=not all_units, legend=True
         )
     )
+    if run.figures.device.startswith("cuda"):
+        out.print(plan_memory_line(osdp.prediction, osdp.plan, run.topology, run.figures.memory_bytes))
     out.print("")
     headers = [
         "strategy",
