@@ -461,7 +461,6 @@ def test_the_plan_table_folds_blocks_with_their_own_units_and_only_identical_one
 
 def test_the_plan_table_and_the_comparison_count_decisions_in_one_vocabulary() -> None:
     from lightning_osdp import Decision
-    from lightning_osdp.solver.report import decision_counts
 
     plan = Plan(
         {
@@ -471,7 +470,8 @@ def test_the_plan_table_and_the_comparison_count_decisions_in_one_vocabulary() -
             "blocks.2": "hybrid_shard",
         }
     )
-    assert decision_counts(plan) == "1 no_shard, 2 full_shard, 1 hybrid_shard, 1 split, 1 AC, 1 SAC"
+    assert plan.counts() == "1 no_shard, 2 full_shard, 1 hybrid_shard, 1 split, 1 AC, 1 SAC"
+    assert plan.summary() == f"Plan(5 decisions: {plan.counts()})"  # the strategy's logs say it alike
 
 
 def test_the_mfu_counts_causal_attention_in_full_or_at_its_work_by_convention() -> None:

@@ -55,7 +55,6 @@ from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, PlannerOptions, planned_budget
-from lightning_osdp.solver.report import decision_counts
 from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "MFU_CONVENTIONS", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
@@ -484,7 +483,7 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
         p = row.prediction
         fits = p.peak_bytes <= run.planned_budget
         # A baseline's name says how its blocks recompute (+AC, +SAC); its modes column, the one mode of its units.
-        modes = decision_counts(row.plan) if row.name == "OSDP" else f"all {row.plan.decisions[''].mode}"
+        modes = row.plan.counts() if row.name == "OSDP" else f"all {row.plan.decisions[''].mode}"
         if row.max_batch is None:
             largest, at_max, rates = "-", "-", none
         elif row.max_batch == 0:

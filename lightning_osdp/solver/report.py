@@ -11,7 +11,7 @@ from lightning_osdp.budget import format_bytes
 from lightning_osdp.cost_model.prediction import Prediction
 from lightning_osdp.plan import RECOMPUTE_NAMES, Plan
 
-__all__ = ["PLAN_LEGEND", "decision_counts", "format_plan"]
+__all__ = ["PLAN_LEGEND", "format_plan"]
 
 #: What each column of :func:`format_plan`'s table is, printed below it with ``legend=True``.
 PLAN_LEGEND: tuple[str, ...] = (
@@ -26,6 +26,7 @@ PLAN_LEGEND: tuple[str, ...] = (
     "per step, hidden or not; added ms: what it adds to the step beyond its compute (exposed communication, "
     "contention, copies, optimizer, hooks).",
 )
+
 
 #: How a plan table names a unit's recomputation (``Decision.recompute``), full before selective.
 def format_plan(
@@ -110,11 +111,6 @@ def format_plan(
     if use_rich:
         return _rich(title, headers, rows, total, footer, width)
     return _plain(title, headers, rows, total, footer)
-
-
-def decision_counts(plan: Plan) -> str:
-    """``plan.counts()``: its decisions by mode, splits and recomputations (AC, SAC)."""
-    return plan.counts()
 
 
 _BLOCK = re.compile(r"^(.*\.)(\d+)$")
