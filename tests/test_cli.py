@@ -471,7 +471,7 @@ def test_the_plan_table_and_the_comparison_count_decisions_in_one_vocabulary() -
         }
     )
     assert plan.counts() == "1 no_shard, 2 full_shard, 1 hybrid_shard, 1 split, 1 AC, 1 SAC"
-    assert plan.summary() == f"Plan(5 decisions: {plan.counts()})"  # the strategy's logs say it alike
+    assert plan.summary() == f"Plan(4 decisions: {plan.counts()})"  # the strategy's logs say it alike
 
 
 def test_the_mfu_counts_causal_attention_in_full_or_at_its_work_by_convention() -> None:
