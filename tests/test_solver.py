@@ -646,3 +646,22 @@ def test_an_lp_stopped_on_the_way_bounds_nothing(monkeypatch):
     monkeypatch.setattr(ilp, "_HiGHS", Stopped)
     assert problem._relax(f, incumbent) == "stopped"
     assert incumbent.lower is None
+
+
+def test_a_solve_prints_nothing_to_the_process_output() -> None:
+    """HiGHS's banner goes to the C library's standard output when a process makes its first solver object; a solve
+    must not put it into a run's log or ``osdp plan``'s report (a fresh process: the banner comes once)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env
+
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from synthetic import gpt_profile; "
+        "from lightning_osdp.solver import solve; solve(gpt_profile(depth=2), 2**30, 2)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HiGHS" not in proc.stdout and "HiGHS" not in proc.stderr, proc.stdout

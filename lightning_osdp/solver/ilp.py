@@ -118,6 +118,8 @@ import dataclasses
 import functools
 import math
 import numbers
+import os
+import sys
 import time
 import warnings
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -1075,9 +1077,31 @@ def _chosen(be: LinearBackend, xs: list[pulp.LpVariable]) -> dict[Hashable, Hash
     }
 
 
+@functools.cache
+def _without_banner() -> None:
+    """Make the process's first HiGHS object with the C library's standard output sent nowhere: HiGHS prints its
+    banner ("Running HiGHS ...") there when the first one is made, before any option (pulp's ``msg=False``) can say
+    otherwise, into the middle of a run's log or ``osdp plan``'s report; later objects print none."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 class _HiGHS(pulp.HiGHS):
     """pulp's in-process HiGHS, given the objective's constant as HiGHS's offset (pulp leaves it out): HiGHS's
     relative gap, bound and cutoff are then of the whole predicted step time, as the solve's gap is."""
+
+    def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
+        _without_banner()
+        super().createAndConfigureSolver(lp)
 
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:
         super().buildSolverModel(lp)
