@@ -38,7 +38,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
 from lightning_osdp.cli.batch import batch_source
-from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile, largest_batch
+from lightning_osdp.cli.batch_search import Probe, largest_batch
+from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile
 from lightning_osdp.cli.hardware import GB, HARDWARE, PCIE4_NO_P2P, TFLOPS, Hardware, Link, get_hardware
 from lightning_osdp.cli.model import build_on_meta, import_object
 from lightning_osdp.cost_model import CostModelConfig, predict
@@ -120,12 +121,13 @@ def predicted(setting: Setting, hw: Hardware, world_size: int = 8) -> dict[str, 
             return None
         return predict(scaled.at(batch), plan, world_size, config=config).step_seconds
 
-    def fsdp_fits(batch: int) -> bool:
-        return predict(scaled.at(batch), fsdp, world_size, config=config).peak_bytes <= budget
+    def fsdp_fits(batch: int) -> Probe:
+        peak = predict(scaled.at(batch), fsdp, world_size, config=config).peak_bytes
+        return Probe(peak <= budget, peak)
 
-    def osdp_fits(batch: int) -> bool:
+    def osdp_fits(batch: int) -> Probe:
         minimum = smallest_memory_budget(scaled.at(batch), world_size, headroom=0.0, config=config)
-        return minimum <= budget
+        return Probe(minimum <= budget, minimum)
 
     fsdp_peak = predict(scaled.at(setting.fsdp_batch), fsdp, world_size, config=config).peak_bytes
     out: dict[str, Any] = {
@@ -134,8 +136,8 @@ def predicted(setting: Setting, hw: Hardware, world_size: int = 8) -> dict[str, 
         "fsdp_fits": fsdp_peak <= budget,
         "fsdp_peak": fsdp_peak,
     }
-    out["osdp_max"] = largest_batch(osdp_fits, limit=4096)
-    out["fsdp_max"] = largest_batch(fsdp_fits, limit=4096)
+    out["osdp_max"] = largest_batch(osdp_fits, budget, limit=4096)
+    out["fsdp_max"] = largest_batch(fsdp_fits, budget, limit=4096)
     out["osdp_at_max"] = osdp_seconds(out["osdp_max"]) if out["osdp_max"] else None
     out["fsdp_at_max"] = (
         predict(scaled.at(out["fsdp_max"]), fsdp, world_size, config=config).step_seconds if out["fsdp_max"] else None

@@ -21,7 +21,7 @@ from lightning_osdp import OSDPStrategy, Plan
 from lightning_osdp.cli import main
 from lightning_osdp.cli.batch import batch_source
 from lightning_osdp.cli.errors import CLIError
-from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile, largest_batch
+from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile
 from lightning_osdp.cli.hardware import (
     COLLECTIVE_LAUNCH_SECONDS,
     HARDWARE,
@@ -244,18 +244,6 @@ def test_batch_scaled_profile_equals_a_profile_made_at_that_batch_size() -> None
     assert scaled.extra_activation_bytes == at[7].extra_activation_bytes
     assert scaled.step_overhead_seconds == pytest.approx(at[7].step_overhead_seconds, rel=1e-9)
     assert scaled.batch["tensors"][0]["shape"] == [7, 33]
-
-
-def test_largest_batch_search() -> None:
-    calls: list[int] = []
-
-    def fits(b: int) -> bool:
-        calls.append(b)
-        return b <= 37
-
-    assert largest_batch(fits) == 37 and len(calls) <= 14
-    assert largest_batch(lambda b: False) == 0
-    assert largest_batch(lambda b: True, limit=100) == 100
 
 
 def test_ring_collective_figures() -> None:

@@ -32,7 +32,7 @@ from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.hardware import HardwareFigures
 from lightning_osdp.profiling import ModelProfile, ModuleProfile, ProfilingError, profile, profile_with_policy
 
-__all__ = ["BatchScaledProfile", "estimated_profile", "largest_batch"]
+__all__ = ["BatchScaledProfile", "estimated_profile"]
 
 # Figures of the hardware or the run, not of the batch.
 _NOT_SCALED = frozenset(
@@ -141,25 +141,3 @@ def _batch_description(batch: dict[str, Any], old: int, new: int) -> dict[str, A
     ]
     source = f"{batch.get('source', '?')}, scaled from batch {old}"
     return {**batch, "tensors": tensors, "bytes": batch.get("bytes", 0) * new // max(old, 1), "source": source}
-
-
-def largest_batch(fits: Callable[[int], bool], *, limit: int = 1 << 16) -> int:
-    """The largest ``b`` in ``[1, limit]`` with ``fits(b)``, for a ``fits`` that is true up to some size and false
-    beyond (peak memory grows with the batch); 0 if even ``b = 1`` does not fit. Doubling, then bisection."""
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while True:
-        if high > limit:
-            high = limit + 1  # never evaluated: the search stops at limit
-            break
-        if not fits(high):
-            break
-        low, high = high, high * 2
-    while high - low > 1:  # fits(low), not fits(high)
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
