@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.profiling.replica import materialize_randomly
-from lightning_osdp.profiling.timing import device_clock, no_gc
+from lightning_osdp.profiling.timing import device_clock, timed_section
 from lightning_osdp.profiling.tracer import ModuleTracer, StepRecord, TensorSpec
 
 __all__ = ["BlockTimes", "measure_blocks"]
@@ -154,7 +154,7 @@ def _time_one(
 
     step(False)  # warm-up: the allocator's and the kernels' first calls
     records: list[StepRecord] = []
-    with no_gc():
+    with timed_section():
         for _ in range(repeats):
             with tracer.iteration() as record:
                 step(True)

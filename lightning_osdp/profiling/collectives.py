@@ -46,7 +46,7 @@ import torch.distributed as dist
 from lightning_osdp.comm import reduce_scatter_comm
 from lightning_osdp.profiling.fit import fit_latency_throughput
 from lightning_osdp.profiling.model_profile import CollectiveFit
-from lightning_osdp.profiling.timing import device_clock, no_gc
+from lightning_osdp.profiling.timing import device_clock, timed_section
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -177,7 +177,7 @@ def benchmark_collectives(
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return zero_cost_collectives(1)
-    with no_gc():
+    with timed_section():
         samples = _measure(group, sorted(sizes), repeats, dtype, time_budget_seconds)
     box: list[Any] = [samples]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)

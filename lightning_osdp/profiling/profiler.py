@@ -77,7 +77,7 @@ from lightning_osdp.profiling.repeats import RepeatedBlocks, find_repeated_block
 from lightning_osdp.profiling.replica import fake_replica, measured_replica
 from lightning_osdp.profiling.selective import SelectiveFigures, measure_selective
 from lightning_osdp.profiling.step import LossFn, StepRunner, describe_batch, is_lightning_module
-from lightning_osdp.profiling.timing import device_clock, no_gc
+from lightning_osdp.profiling.timing import device_clock, timed_section
 from lightning_osdp.profiling.tracer import ModuleTracer, OpTally, StepRecord
 from lightning_osdp.profiling.values import StandInMethods, StandInValues
 
@@ -366,7 +366,7 @@ class _Timing:
 def _measured_timing(session: _Session, record: StepRecord, repeats: int, info: dict[str, Any]) -> _Timing:
     hooked: list[StepRecord] = []
     plain: list[tuple[float, float]] = []
-    with no_gc():
+    with timed_section():
         for _ in range(repeats):
             # Alternating the two kinds spreads a change of machine load over both.
             hooked.append(session.hooked_step())

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from lightning_osdp.profiling.fit import fit_latency_throughput
-from lightning_osdp.profiling.timing import device_clock, no_gc
+from lightning_osdp.profiling.timing import device_clock, timed_section
 from lightning_osdp.profiling.tracer import ComputeKernel, OpTally
 
 __all__ = ["DeviceRates", "measure_copy_bandwidth", "measure_device_rates"]
@@ -153,7 +153,7 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     clock = device_clock(device)
     fn()
     times = []
-    with no_gc():
+    with timed_section():
         for _ in range(repeats):
             start = clock()
             fn()

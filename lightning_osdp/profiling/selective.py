@@ -35,9 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_osdp._compat import disable_current_modes, tree_leaves
+from lightning_osdp._compat import tree_leaves
 from lightning_osdp.apply.recompute import KeepOutputs, RecomputedForward, ReplayKept, recompute_modules
 from lightning_osdp.memory import memory_meter
+from lightning_osdp.profiling.timing import timed_section
 from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder
 
 __all__ = ["SelectiveFigures", "measure_selective"]
@@ -134,8 +135,8 @@ def measure_selective(
                         inner.inner(*args, **kwargs)
                     figure.replay_ops = tally.ops
                     continue
-                # Timed without the memory meter's mode (a Python dispatch mode on the CPU, which would time itself).
-                with disable_current_modes():
+                # Timed without the memory meter's mode (timing.py [Note: what a timed section runs without]).
+                with timed_section():
                     start = clock()
                     inner.inner(*args, **kwargs)
                     plain = clock()
