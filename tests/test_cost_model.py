@@ -22,7 +22,7 @@ CONFIG = CostModelConfig(
     collective_sync_seconds=5e-4,
     optimizer_seconds_per_tensor=2e-4,
     framework_seconds=1e-3,
-    ddp_bucket_bytes=120,  # two of the test Linear's gradients fill one DDP bucket
+    ddp_bucket_bytes=120,  # twice the test Linear's gradients: a model with less than a bucket all-reduces once
 )
 
 
@@ -101,8 +101,9 @@ def test_step_time_by_hand():
     optimizer = 40 * 6e-3 / 60 + 2 * 2e-4  # the optimizer steps the local shard only; two DTensors
     assert full.step_seconds == pytest.approx(8e-3 + 2 * gather + reduce + copies + optimizer + 1e-4)
     ddp = predict(profile, Plan({"": "no_shard", "a": "no_shard"}), config=CONFIG)
-    # DDP: the bytes over the fitted bandwidth, and half a call's latency and wait (60 of a 120-byte bucket).
-    all_reduce = 60 / 2e6 + (5e-4 + 5e-4) * 60 / 120
+    # DDP: the bytes over the fitted bandwidth, and a whole call's latency and wait: the model's 60 bytes of
+    # gradients fill less than the 120-byte bucket, and a step all-reduces them once.
+    all_reduce = 60 / 2e6 + (5e-4 + 5e-4)
     # Gradients copied into the bucket; the optimizer steps plain tensors (no DTensor cost), no FSDP2 hooks.
     assert ddp.step_seconds == pytest.approx(8e-3 + all_reduce + 60 / 1e6 + 6e-3)
 
@@ -121,7 +122,7 @@ def test_accumulated_micro_batches_repeat_compute_gathers_and_hooks_but_not_redu
     optimizer = 40 * 6e-3 / 60 + 2 * 2e-4
     assert full.step_seconds == pytest.approx(15e-3 + 4 * gather + reduce + copies + optimizer + 2 * 1e-4)
     ddp = predict(profile, Plan({"": "no_shard", "a": "no_shard"}), config=CONFIG)
-    all_reduce = 60 / 2e6 + (5e-4 + 5e-4) * 60 / 120
+    all_reduce = 60 / 2e6 + (5e-4 + 5e-4)
     assert ddp.step_seconds == pytest.approx(15e-3 + all_reduce + 60 / 1e6 + 6e-3)
 
 

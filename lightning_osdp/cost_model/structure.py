@@ -142,6 +142,10 @@ class ModelInfo:
             )
             for n, mp in profile.modules.items()
         }
+        #: DDP's bucket as this model fills it: every trainable byte when they take less than one bucket, since a
+        #: step all-reduces at least once (see :func:`unit_time`).
+        trainable = sum(mp.trainable_param_bytes for mp in profile.modules.values())
+        self.ddp_bucket_bytes = max(min(config.ddp_bucket_bytes, trainable), 1)
         self.optim_tensor = {n: float(mp.optim_state_bytes) for n, mp in profile.modules.items()}
         self.optim_scalar = {n: float(getattr(mp, "optim_scalar_bytes", 0) or 0) for n, mp in profile.modules.items()}
         self.leaves = [n for n in self.order if not self.children[n]]
@@ -405,13 +409,15 @@ def unit_time(
     else:
         # DDP: the unit's gradients share buckets with other no_shard units' and are all-reduced a bucket at a
         # time; the call's latency (and the ranks' synchronisation) is paid once per bucket, so a unit pays the
-        # share of it its bytes fill. Autograd's gradients are copied into the buckets; the parameters are plain
-        # tensors (no DTensor dispatch in the optimizer, no FSDP2 hooks).
+        # share of it its bytes fill. A model whose gradients fill less than a bucket still all-reduces once per
+        # step: its bucket is what it has (``ModelInfo.ddp_bucket_bytes``), so that replicating it whole pays one
+        # call. Autograd's gradients are copied into the buckets; the parameters are plain tensors (no DTensor
+        # dispatch in the optimizer, no FSDP2 hooks).
         comm = 0.0
         if b.trainable and ws > 1:
             fit_bytes = net.seconds("all_reduce", b.bucket, topo.world)
             alpha = net.fit("all_reduce", topo.world).alpha_seconds
-            comm = fit_bytes - alpha + (alpha + sync) * b.bucket / cfg.ddp_bucket_bytes
+            comm = fit_bytes - alpha + (alpha + sync) * b.bucket / info.ddp_bucket_bytes
         copies = b.bucket / copy
         hidden = min(comm, cfg.overlap * compute)
         return UnitTime(
