@@ -55,7 +55,7 @@ class StepMonitor:
 
     [Note: timed steps]
     The tracker is a dispatch mode: every operator of a tracked step runs through Python, which on a small model
-    takes longer than the step itself (a 13 ms step of the corpus's GPT-2 measured 2-3 times that tracked). So a
+    takes longer than the step itself. So a
     step's time counts only when it ran untracked, and never the first step's (lazy initialization, the optimizer
     state's creation): :meth:`step_time` is the median of those, and the prediction check waits for
     :data:`TIMED_STEPS` of them after the tracked ones (:meth:`check_due`), or the end of a shorter run.
