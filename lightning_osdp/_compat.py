@@ -48,7 +48,12 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import ClusterEnvironment
     from lightning.fabric.strategies import _StrategyRegistry as StrategyRegistry
+    from lightning.fabric.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
+    )
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
     from lightning.fabric.utilities.types import ReduceOp
+    from lightning.fabric.utilities.types import _Stateful as Stateful
     from lightning.pytorch.strategies.ddp import _DDPForwardRedirection as DDPForwardRedirection
     from lightning.pytorch.strategies.launchers.multiprocessing import (
         _MultiProcessingLauncher as MultiProcessingLauncher,
@@ -64,8 +69,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TORCH_VALIDATED",
+    "BackwardSyncControl",
     "DDPForwardRedirection",
+    "FabricSubprocessScriptLauncher",
     "MultiProcessingLauncher",
+    "Stateful",
     "StrategyRegistry",
     "SubprocessScriptLauncher",
     "TorchDispatchMode",
@@ -315,6 +323,15 @@ _LIGHTNING_CLASSES: dict[str, tuple[str, str]] = {
     # The forward redirection of Lightning's DDP strategy: in manual optimization it turns DDP's gradient sync off
     # for the redirected forward (the backward already ran inside it) and back on after it.
     "DDPForwardRedirection": ("lightning.pytorch.strategies.ddp", "_DDPForwardRedirection"),
+    # Fabric's launcher for several processes on a node (its "ddp" uses it), which OSDP's Fabric strategy builds too.
+    "FabricSubprocessScriptLauncher": (
+        "lightning.fabric.strategies.launchers.subprocess_script",
+        "_SubprocessScriptLauncher",
+    ),
+    # What `fabric.no_backward_sync` asks of a strategy (its `_backward_sync_control`): a context manager per module.
+    "BackwardSyncControl": ("lightning.fabric.strategies.strategy", "_BackwardSyncControl"),
+    # What `fabric.save` and `fabric.load` treat as a state dict holder (`state_dict`/`load_state_dict`).
+    "Stateful": ("lightning.fabric.utilities.types", "_Stateful"),
 }
 
 

@@ -62,14 +62,12 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp, _Stateful
+from lightning.fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -78,7 +76,14 @@ from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp import options
-from lightning_osdp._compat import init_dist_connection, sync_ddp_if_available
+from lightning_osdp._compat import (
+    BackwardSyncControl,
+    FabricSubprocessScriptLauncher,
+    Stateful,
+    StrategyRegistry,
+    init_dist_connection,
+    sync_ddp_if_available,
+)
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan, no_gradient_sync
 from lightning_osdp.apply.clip import clip_grad_norm_, clip_grad_value_
 from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
@@ -163,7 +168,7 @@ class OSDPFabricModule(nn.Module):
                 object.__setattr__(self, "_pause", None)
 
 
-class _PausedSync(_BackwardSyncControl):
+class _PausedSync(BackwardSyncControl):
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
@@ -368,7 +373,7 @@ class OSDPFabricStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Optimal Sharded Data Parallel (per-module DDP/ZeRO plan)"
         )
@@ -377,7 +382,8 @@ class OSDPFabricStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            environment, processes, nodes = self.cluster_environment, self.num_processes, self.num_nodes
+            self._launcher = FabricSubprocessScriptLauncher(environment, processes, nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -651,7 +657,7 @@ class OSDPFabricStrategy(ParallelStrategy):
             )
         module = model.module
         optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
-        other = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items() if k != key}
+        other = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items() if k != key}
         for k, _ in optimizers:
             other.pop(k)
         kind = self._state_dict_type
@@ -737,7 +743,7 @@ class OSDPFabricStrategy(ParallelStrategy):
                     raise KeyError(f"'{name}' is in the state given to fabric.load but not in the checkpoint {path}")
                 continue
             value = remainder.pop(name)
-            if isinstance(state[name], _Stateful):
+            if isinstance(state[name], Stateful):
                 state[name].load_state_dict(value)
             else:
                 state[name] = value

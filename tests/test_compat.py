@@ -87,6 +87,7 @@ CALLS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
         {"description": "Optimal Sharded Data Parallel"},
     ),
     "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher": ((None, 2, 1), {}),
+    "lightning.fabric.strategies.launchers.subprocess_script._SubprocessScriptLauncher": ((None, 2, 1), {}),
     "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher": (
         (None,),
         {"start_method": "fork"},
