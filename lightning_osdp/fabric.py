@@ -64,25 +64,20 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_osdp import checkpoint as osdp_checkpoint
-from lightning_osdp import options
+from lightning_osdp import options, processes
 from lightning_osdp._compat import (
     BackwardSyncControl,
     FabricSubprocessScriptLauncher,
     Stateful,
     StrategyRegistry,
-    init_dist_connection,
-    sync_ddp_if_available,
 )
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, apply_plan, no_gradient_sync
 from lightning_osdp.apply.clip import clip_grad_norm_, clip_grad_value_
@@ -94,7 +89,6 @@ from lightning_osdp.migration import refuse_foreign_arguments
 from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.planning import PlannerOptions, RunPlanner
-from lightning_osdp.processes import _default_backend
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.setup_log import SetupLog
 from lightning_osdp.solver.ilp import DEFAULT_GAP
@@ -388,46 +382,26 @@ class OSDPFabricStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _default_backend(self.root_device)
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        self._process_group_backend = processes.join_process_group(self, self._process_group_backend, self._timeout)
         self._meshes = build_meshes(self.root_device.type, self.topology)
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        # Fabric's connector calls it at construction, as on its own DDP strategy.
+        processes.set_world_ranks(self)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not torch.distributed.is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        processes.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not torch.distributed.is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return processes.broadcast(obj, src)
 
     @override
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op)
-        return tensor
+        return processes.reduce(tensor, group, reduce_op)
 
     # ------------------------------------------------------------------ model and optimizers
     @override

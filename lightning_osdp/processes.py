@@ -107,45 +107,24 @@ class ProcessGroupStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _default_backend(self.root_device)
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
+        self._process_group_backend = join_process_group(self, self._process_group_backend, self._timeout)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        set_world_ranks(self)
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return broadcast(obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op)
-        return tensor
+        return reduce(tensor, group, reduce_op)
 
     @override
     def teardown(self) -> None:
@@ -154,6 +133,56 @@ class ProcessGroupStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+# What the Trainer's and Fabric's strategies both do with their processes (Lightning's DDP strategies share module-level
+# helpers between its two front doors the same way).
+def set_world_ranks(strategy: Any) -> None:
+    """This process's global rank and the world size in ``strategy``'s cluster environment, and rank zero's for
+    ``rank_zero_only``: from its node rank, local rank, processes per node and nodes."""
+    if strategy.cluster_environment is not None:
+        strategy.cluster_environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank  # type: ignore[attr-defined]
+
+
+def join_process_group(strategy: Any, backend: str | None, timeout: timedelta) -> str:
+    """Set up ``strategy``'s process after its accelerator: the seed reset as Lightning's strategies do, the world
+    ranks, and the default process group (``backend``, else the device's); the backend it joined."""
+    reset_seed()
+    set_world_ranks(strategy)
+    backend = backend or _default_backend(strategy.root_device)
+    assert strategy.cluster_environment is not None
+    device_id = strategy.root_device if strategy.root_device.type != "cpu" else None
+    init_dist_connection(strategy.cluster_environment, backend, timeout=timeout, device_id=device_id)
+    return backend
+
+
+def barrier(device: torch.device) -> None:
+    """Every rank waits for all (on NCCL, on ``device``); nothing without a process group."""
+    if not _distributed_is_initialized():
+        return
+    if torch.distributed.get_backend() == "nccl":
+        torch.distributed.barrier(device_ids=[device.index])
+    else:
+        torch.distributed.barrier()
+
+
+def broadcast(obj: TBroadcast, src: int = 0) -> TBroadcast:
+    """``obj`` of rank ``src`` on every rank (pickled); ``obj`` itself without a process group."""
+    if not _distributed_is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+    return box[0]
+
+
+def reduce(tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
+    """A tensor reduced over ``group`` with ``reduce_op`` (Lightning's ``sync_ddp_if_available``); anything else as
+    it is."""
+    if isinstance(tensor, Tensor):
+        return sync_ddp_if_available(tensor, group, reduce_op)
+    return tensor
 
 
 def _distributed_is_initialized() -> bool:
