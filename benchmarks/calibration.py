@@ -191,19 +191,14 @@ def trace(run: PublishedRun, module: torch.nn.Module, efficiency: float, memory:
 
     figures = figures_of(run, efficiency, memory)
     batch = torch.zeros((run.micro_batch, run.seq_len + 1), dtype=torch.int64, device="meta")
-    profile = estimated_profile(
+    return estimated_profile(
         module,
         batch,
         figures,
         optimizer=torch.optim.AdamW,
         step_context=MixedPrecision("bf16-mixed", "cpu").train_step_context,
         mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
-    )
-    return dataclasses.replace(
-        profile,
         world_size=run.world_size,
-        nodes=figures.nodes,
-        inter_node_collectives=dict(figures.inter_node_collectives),
     )
 
 

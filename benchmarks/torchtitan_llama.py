@@ -36,7 +36,6 @@ the time: a few minutes on 2 cores). ``--out FILE`` writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -203,15 +202,9 @@ def fsdp_predictions(run: PublishedRun) -> tuple[list[tuple[str, Prediction, Pla
         optimizer=torch.optim.AdamW,
         step_context=MixedPrecision("bf16-mixed", "cpu").train_step_context,
         mixed_precision=BF16_POLICY,
+        world_size=run.world_size,  # the figures' two levels, as `osdp plan` attaches them
     )
     traced = time.perf_counter() - start
-    # The figures' two levels, as `osdp plan` attaches them (within a node: the profile's; across nodes).
-    profile = dataclasses.replace(
-        profile,
-        world_size=run.world_size,
-        nodes=figures.nodes,
-        inter_node_collectives=dict(figures.inter_node_collectives),
-    )
     fsdp = Plan.uniform(module, "full_shard")
     blocks = [name for name in fsdp.decisions if name]
     every: list[tuple[str, int, str]] = {
@@ -255,12 +248,7 @@ def osdp_objective_and_prediction(run: PublishedRun, nodes: int) -> tuple[Plan, 
         optimizer=dry.optimizer,
         step_context=_precision_plugin(dry.precision).train_step_context,
         mixed_precision=BF16_POLICY,
-    )
-    profile = dataclasses.replace(
-        profile,
         world_size=run.world_size,
-        nodes=dry.figures.nodes,
-        inter_node_collectives=dict(dry.figures.inter_node_collectives),
     )
     plan = _solve(dry, profile)
     assert plan.report is not None

@@ -50,10 +50,13 @@ def estimated_profile(
     step_context: Callable[[], Any] | None = None,
     batch_source: str = "argument",
     mixed_precision: MixedPrecisionPolicy | None = None,
+    world_size: int | None = None,
 ) -> ModelProfile:
     """Profile ``model`` (on the meta device) on ``batch`` as if it ran on the hardware of ``figures`` (see
     [Note: rates of another device]), under FSDP2's ``mixed_precision`` policy when given (see
-    ``lightning_osdp/profiling/mixed_precision.py``).
+    ``lightning_osdp/profiling/mixed_precision.py``). With ``world_size``, the profile is of that many ranks with the
+    figures' two levels of the network (within a node, the collectives it was traced with; across nodes), as the dry
+    run predicts.
 
     Raises:
         CLIError: the model's step cannot run on fake tensors (the profiler's message).
@@ -77,7 +80,14 @@ def estimated_profile(
         raise CLIError(str(err).replace("\n", " ")) from err
     result.device = figures.device
     result.info["hardware"] = figures.description
-    return result
+    if world_size is None:
+        return result
+    return dataclasses.replace(
+        result,
+        world_size=world_size,
+        nodes=figures.nodes,
+        inter_node_collectives=dict(figures.inter_node_collectives),
+    )
 
 
 def _affine(low: Any, high: Any, t: float) -> Any:

@@ -362,17 +362,9 @@ def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
                 step_context=plugin.train_step_context,
                 batch_source=run.batch.description,
                 mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
+                world_size=run.world_size,
             )
-            # The figures' two levels: within a node (what the profiler recorded) and across nodes.
-            profiles.append(
-                dataclasses.replace(
-                    profile,
-                    world_size=run.world_size,
-                    nodes=run.figures.nodes,
-                    inter_node_collectives=dict(run.figures.inter_node_collectives),
-                    gradient_accumulation=run.accumulation,
-                )
-            )
+            profiles.append(dataclasses.replace(profile, gradient_accumulation=run.accumulation))
     run.seconds["profiling"] = time.perf_counter() - started
     return BatchScaledProfile(profiles[0], run.batch_size, profiles[1], 2 * run.batch_size)
 
