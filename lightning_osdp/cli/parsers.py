@@ -234,12 +234,17 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "count it; flash-attention: at the half of the scores its kernels compute, as FlashAttention's "
         "benchmarks count it (default: %(default)s)",
     )
-    report.add_argument(
+    _add_all_units(report)
+    return parser
+
+
+def _add_all_units(parser: Any) -> None:
+    """``--all-units``, for the commands that print a plan table (``plan``, ``show``)."""
+    parser.add_argument(
         "--all-units",
         action="store_true",
         help="list every unit in the plan table (default: runs of identical blocks folded into one line)",
     )
-    return parser
 
 
 def add_show_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -255,11 +260,7 @@ def add_show_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, metavar="N", help="predict for N ranks (default: the saved one)")
     parser.add_argument("--profile", action="store_true", help="also print the per-module profile")
     parser.add_argument("--depth", type=int, default=None, metavar="D", help="fold the profile table to depth D")
-    parser.add_argument(
-        "--all-units",
-        action="store_true",
-        help="list every unit in the plan table (default: runs of identical blocks folded into one line)",
-    )
+    _add_all_units(parser)
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
