@@ -30,13 +30,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_user_corpus import MODELS  # noqa: E402
 
+from corpus import CASES  # noqa: E402
+
 MIB = 2**20
 
 
 def launch(out: Path, models: list[str], epochs: int) -> float:
     """One torchrun launch of every model's ample and tight runs; its wall seconds."""
-    # A DDP run first: it starts the process group the budgets are computed on.
-    runs = [f"{models[0]}:ddp", *(f"{m}:{k}" for m in models for k in ("ample", "tight"))]
+    # A DDP run first: it starts the process group the budgets are computed on (one of a model built eagerly: a meta
+    # one needs the group for its pretrained folder already).
+    first = next((m for m in models if not CASES[m].meta), "gpt2")
+    runs = [f"{first}:ddp", *(f"{m}:{k}" for m in models for k in ("ample", "tight"))]
     started = time.perf_counter()
     subprocess.run(
         [
@@ -73,13 +77,15 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--keep", type=Path, help="keep each round's results (profiles, plans, step times) here")
     args = parser.parse_args()
     rounds: list[dict[tuple[str, str], list[dict[str, Any]]]] = []
     cpu0 = os.times()
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
-            seconds = launch(Path(tmp), args.models, args.epochs)
-            rounds.append({(m, k): load(Path(tmp), m, k) for m in args.models for k in ("ample", "tight")})
+            out = Path(tmp) if args.keep is None else args.keep / f"round{r + 1}"
+            seconds = launch(out, args.models, args.epochs)
+            rounds.append({(m, k): load(out, m, k) for m in args.models for k in ("ample", "tight")})
             print(f"round {r + 1}: {seconds:.0f} s wall", file=sys.stderr)
     cpu1 = os.times()
     cpu = (cpu1.children_user + cpu1.children_system) - (cpu0.children_user + cpu0.children_system)

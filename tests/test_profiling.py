@@ -650,6 +650,69 @@ def test_a_block_whose_arguments_cannot_be_rebuilt_keeps_its_estimated_times() -
     assert result.modules["blocks.0.lin"].fwd_seconds > 0  # from its FLOPs
 
 
+def test_a_block_given_a_key_value_cache_is_timed_with_an_empty_one_every_run() -> None:
+    seen: list[tuple[bool, int]] = []  # (the step's own cache, its entries when a block appends)
+
+    class Cache:  # Hugging Face's cache protocol: `update` appends a layer's keys and values
+        def __init__(self, step: bool = False) -> None:
+            self.entries: list[Tensor] = []
+            self.step = step
+
+        def update(self, x: Tensor) -> Tensor:
+            seen.append((self.step, len(self.entries)))
+            self.entries.append(x)
+            return x
+
+        def get_seq_length(self) -> int:
+            return len(self.entries)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: Tensor, cache: Cache) -> Tensor:
+            return self.lin(cache.update(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 8)
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: Tensor) -> Tensor:
+            cache = Cache(step=True)
+            x = self.embed(x)
+            for block in self.blocks:
+                x = block(x, cache)
+            return x
+
+    result = profile(Net(), torch.randn(4, 8), mode="blocks")
+    assert result.info["blocks"] == {"timed": {"blocks.0": 2}, "skipped": {}}
+    # The step's forwards (traced, and measured under recomputation) fill their cache layer by layer; every timed
+    # run of the representative, and every forward of a selective replay, starts from an empty cache of its own.
+    steps, fresh = [n for own, n in seen if own], [n for own, n in seen if not own]
+    assert steps[:2] == [0, 1] and set(steps) == {0, 1}
+    assert len(fresh) >= 1 + 3 + 3 * 3 and set(fresh) == {0}  # warm-up, 3 timed runs, 3 replays of 3 forwards
+    # Its selective replay was timed with it, and the identical block shares the figure.
+    replay = result.modules["blocks.0"].selective_replay_seconds
+    assert replay is not None and replay > 0 and result.modules["blocks.1"].selective_replay_seconds == replay
+
+
+def test_hugging_face_decoder_layers_are_timed_in_blocks_mode() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)  # `use_cache` is on: every layer gets the step's DynamicCache
+    ids = torch.randint(0, 64, (2, 16))
+    result = profile(model, {"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss, mode="blocks")
+    assert result.info["blocks"] == {"timed": {"model.layers.0": 2}, "skipped": {}}
+    layers = [result.modules[f"model.layers.{i}.self_attn"] for i in (0, 1)]
+    assert layers[0].fwd_seconds == layers[1].fwd_seconds > 0
+
+
 @pytest.mark.parametrize("example", ["gpt", "llama"])
 def test_an_estimated_profile_of_a_deep_model_traced_on_two_blocks_equals_the_whole_trace(
     example: str, monkeypatch: pytest.MonkeyPatch

@@ -13,7 +13,9 @@ timed by materializing one block, so the cost grows with the number of distinct 
 
 What is not in a block (embeddings, the final norm, the head, the loss) keeps the times the estimated mode gives it
 from its FLOPs and bytes at the device's measured rates; so do blocks whose arguments cannot be rebuilt (a value that
-is not a tensor, a number, a string or ``None``, such as a cache object, or a size that depends on tensor values).
+is not a tensor, a number, a string, ``None`` or a key/value cache, or a size that depends on tensor values). A
+cache (Hugging Face's ``DynamicCache``, which its decoders pass to every layer in training too) is rebuilt empty
+(``tracer.py`` [Note: a cache argument]).
 Each block is materialized alone, with its gradients and activations at the traced batch: at most what a plan's
 step holds of it at once.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 import copy
 import gc
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +35,9 @@ from torch import Tensor, nn
 
 from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.profiling.replica import materialize_randomly
+from lightning_osdp.profiling.selective import time_replay
 from lightning_osdp.profiling.timing import device_clock, timed_section
-from lightning_osdp.profiling.tracer import ModuleTracer, StepRecord, TensorSpec
+from lightning_osdp.profiling.tracer import EmptyCacheSpec, ModuleTracer, StepRecord, TensorSpec
 
 __all__ = ["BlockTimes", "measure_blocks"]
 
@@ -50,6 +53,9 @@ class BlockTimes:
     modules: dict[str, tuple[float, float]] = field(default_factory=dict)
     timed: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    #: Per block, what selective recomputation adds to its step (``selective.py``'s ``time_replay``), for the blocks
+    #: asked for.
+    replay: dict[str, float] = field(default_factory=dict)
 
 
 def _key(block: nn.Module, inputs: Any) -> tuple[Any, ...]:
@@ -66,13 +72,15 @@ def _unrebuildable(inputs: Any) -> str | None:
         if isinstance(leaf, TensorSpec):
             if -1 in leaf.shape:
                 return "an argument's size depends on tensor values"
-        elif not isinstance(leaf, _SIMPLE):
+        elif not isinstance(leaf, (*_SIMPLE, EmptyCacheSpec)):
             return f"an argument of type {type(leaf).__name__} cannot be rebuilt"
     return None
 
 
 def _rebuild(inputs: Any, device: torch.device) -> Any:
     def make(leaf: Any) -> Any:
+        if isinstance(leaf, EmptyCacheSpec):
+            return leaf.build()  # a new one for every run: the block appends to it
         if not isinstance(leaf, TensorSpec):
             return leaf
         if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
@@ -90,6 +98,7 @@ def measure_blocks(
     *,
     repeats: int = 3,
     step_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    selective: Collection[str] = (),
 ) -> BlockTimes:
     """Time each distinct block of ``module`` on ``device`` (see [Note: a profile that fits]).
 
@@ -100,6 +109,7 @@ def measure_blocks(
         device: where to run.
         repeats: timed runs per representative, after one untimed warm-up.
         step_context: the context the step's forward runs in (the precision plugin's autocast).
+        selective: the blocks whose replay under selective recomputation is timed too.
     """
     result = BlockTimes()
     groups: dict[tuple[Any, ...], list[str]] = {}
@@ -117,13 +127,21 @@ def measure_blocks(
     clock = device_clock(device)
     for members in groups.values():
         representative = members[0]
-        times = _time_one(
-            module.get_submodule(representative), record.modules[representative].inputs, device, repeats, context, clock
+        times, replay = _time_one(
+            module.get_submodule(representative),
+            record.modules[representative].inputs,
+            device,
+            repeats,
+            context,
+            clock,
+            replay=representative in selective,
         )
         result.timed[representative] = members
         for member in members:
             for inner, figures in times.items():
                 result.modules[f"{member}.{inner}" if inner else member] = figures
+            if replay is not None:
+                result.replay[member] = replay
         gc.collect()
     return result
 
@@ -135,14 +153,16 @@ def _time_one(
     repeats: int,
     context: Callable[[], AbstractContextManager[Any]],
     clock: Callable[[], float],
-) -> dict[str, tuple[float, float]]:
+    *,
+    replay: bool,
+) -> tuple[dict[str, tuple[float, float]], float | None]:
     replica = copy.deepcopy(block)
     materialize_randomly(replica, device)
     replica.train(block.training)
     tracer = ModuleTracer(replica, clock)
-    args, kwargs = _rebuild(inputs, device)
 
     def step(traced: bool) -> None:
+        args, kwargs = _rebuild(inputs, device)  # outside the modules' timed intervals
         forward = tracer.forward() if traced else nullcontext()
         with forward, context():
             out = replica(*args, **kwargs)
@@ -159,10 +179,15 @@ def _time_one(
             with tracer.iteration() as record:
                 step(True)
             records.append(record)
-    return {
+    times = {
         name: (
             statistics.median(r.modules[name].fwd_seconds for r in records),
             statistics.median(r.modules[name].bwd_seconds for r in records),
         )
         for name in records[0].modules
     }
+    if not replay:
+        return times, None
+    with context():
+        replays = [time_replay(replica, lambda: _rebuild(inputs, device), clock) for _ in range(repeats)]
+    return times, statistics.median(replays)

@@ -715,16 +715,19 @@ def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> Mo
             request.target,
             repeats=request.repeats,
             step_context=request.step_context,
+            selective=[name for name, figures in traced.selective.items() if not figures.mutated],
         )
         timing.modules.update(measured.modules)
         info["blocks"] = {"timed": {r: len(m) for r, m in measured.timed.items()}, "skipped": measured.skipped}
         info["estimated_step_seconds"] = timing.overhead + sum(f + b for f, b in timing.modules.values())
     for name, (fwd, bwd) in timing.modules.items():
         profile.modules[name].fwd_seconds, profile.modules[name].bwd_seconds = fwd, bwd
+    replays = measured.replay if blocks else {}
     for name, figures in traced.selective.items():
         if figures.mutated:
             continue
-        profile.modules[name].selective_replay_seconds = rates.seconds(figures.replay_ops)
+        replay = replays.get(name)  # timed with its block, else the rates' figure (selective.py)
+        profile.modules[name].selective_replay_seconds = rates.seconds(figures.replay_ops) if replay is None else replay
     profile.step_overhead_seconds, profile.optimizer_step_seconds = timing.overhead, timing.optimizer
     profile.rates = rates
     profile.mode = "blocks" if blocks else "estimated"

@@ -16,8 +16,12 @@ block checkpointed selectively, as the executor does it:
   block in its forward hook). Measured mode times it on the device, with what the caching mode adds to the forward
   (the modes dispatch every operator through Python: on a small model on the CPU that is more than the kernels
   themselves; on a GPU-sized block, noise): the median of ``repeats`` such figures, each with its cache filled anew.
-  The estimated modes record the replay's operators (FLOPs and bytes, as the tracer does) for the rates to turn into
-  seconds, and count no dispatch cost (the rates have no term for it).
+  The estimated mode records the replay's operators (FLOPs and bytes, as the tracer does) for the rates to turn into
+  seconds, and counts no dispatch cost (the rates have no term for it); the blocks mode times the replay as measured
+  mode does, on the block's representative (``blocks.py``), and uses the rates' figure only for a block it could
+  not time. Each of the three forwards of one figure gets arguments of its own where the block changes one: a
+  key/value cache (``tracer.py`` [Note: a cache argument]) is replaced by an empty one, or each forward would append
+  to it and attend over keys the step never has.
 
 The replay under the hook runs with gradients enabled (the recomputation records a graph too) on the block's own
 arguments; what it builds is dropped at once. Only blocks (the parameter-owning children of a
@@ -35,13 +39,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_osdp._compat import tree_leaves
+from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.apply.recompute import KeepOutputs, RecomputedForward, ReplayKept, recompute_modules
 from lightning_osdp.memory import memory_meter
 from lightning_osdp.profiling.timing import timed_section
-from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder
+from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder, is_cache
 
-__all__ = ["SelectiveFigures", "measure_selective"]
+__all__ = ["SelectiveFigures", "fresh_caches", "measure_selective", "time_replay"]
 
 
 @dataclass
@@ -91,6 +95,36 @@ def _fake(t: Tensor) -> bool:
     return is_fake(t)
 
 
+def fresh_caches(arguments: Any) -> Any:
+    """``arguments`` with every key/value cache replaced by an empty one of its class (see [Note: measuring
+    selective recomputation])."""
+    return tree_map(lambda leaf: type(leaf)() if is_cache(leaf) else leaf, arguments)
+
+
+def time_replay(
+    forward: Callable[..., Any], arguments: Callable[[], tuple[Any, Any]], clock: Callable[[], float]
+) -> float:
+    """One figure of what selective recomputation adds to a block's step (see [Note: measuring selective
+    recomputation]): ``forward`` run plainly, under the caching mode and as the replay, each on ``arguments()``
+    (made before the clock starts), with gradients enabled."""
+    calls = [arguments() for _ in range(3)]
+    caching = KeepOutputs()
+    cached = ReplayKept(caching)
+    # Timed without the memory meter's mode (timing.py [Note: what a timed section runs without]).
+    with torch.enable_grad(), timed_section():
+        start = clock()
+        forward(*calls[0][0], **calls[0][1])
+        plain = clock()
+        with caching:
+            forward(*calls[1][0], **calls[1][1])
+        cached_forward = clock()
+        with cached:
+            forward(*calls[2][0], **calls[2][1])
+        end = clock()
+    # The forward's own cost of the caching mode (a Python dispatch per operator), and the replay.
+    return max(cached_forward - plain - (plain - start), 0.0) + (end - cached_forward)
+
+
 def measure_selective(
     work: nn.Module,
     blocks: list[str],
@@ -120,36 +154,22 @@ def measure_selective(
     def replay(module: nn.Module, args: Any, kwargs: Any, figure: SelectiveFigures) -> None:
         inner = module.__dict__["forward"]
         assert isinstance(inner, RecomputedForward)
-        times = []
-        for _ in range(1 if fake else max(repeats, 1)):
-            caching = KeepOutputs()
-            cached = ReplayKept(caching)
-            with torch.enable_grad():
-                if fake:
-                    with caching:
-                        inner.inner(*args, **kwargs)
-                    tally = _Tally()
-                    # The recorder outside the cache's mode: it sees only what the replay runs (a kept operator is
-                    # served by the cache and never reaches it).
-                    with _OpRecorder(tally), cached:  # type: ignore[arg-type]
-                        inner.inner(*args, **kwargs)
-                    figure.replay_ops = tally.ops
-                    continue
-                # Timed without the memory meter's mode (timing.py [Note: what a timed section runs without]).
-                with timed_section():
-                    start = clock()
-                    inner.inner(*args, **kwargs)
-                    plain = clock()
-                    with caching:
-                        inner.inner(*args, **kwargs)
-                    cached_forward = clock()
-                    with cached:
-                        inner.inner(*args, **kwargs)
-                    end = clock()
-                # The forward's own cost of the caching mode (a Python dispatch per operator), and the replay.
-                times.append(max(cached_forward - plain - (plain - start), 0.0) + (end - cached_forward))
-        if times:
-            figure.replay_seconds = statistics.median(times)
+        if not fake:
+            figure.replay_seconds = statistics.median(
+                time_replay(inner.inner, lambda: fresh_caches((args, kwargs)), clock) for _ in range(max(repeats, 1))
+            )
+            return
+        caching = KeepOutputs()
+        cached = ReplayKept(caching)
+        with torch.enable_grad():
+            with caching:
+                inner.inner(*fresh_caches(args), **fresh_caches(kwargs))
+            tally = _Tally()
+            # The recorder outside the cache's mode: it sees only what the replay runs (a kept operator is served by
+            # the cache and never reaches it).
+            with _OpRecorder(tally), cached:  # type: ignore[arg-type]
+                inner.inner(*fresh_caches(args), **fresh_caches(kwargs))
+        figure.replay_ops = tally.ops
 
     for name in blocks:
         module = work.get_submodule(name)

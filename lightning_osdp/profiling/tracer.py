@@ -92,6 +92,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ComputeKernel",
+    "EmptyCacheSpec",
     "ModuleRecord",
     "ModuleTracer",
     "OpTally",
@@ -318,10 +319,41 @@ class TensorSpec:
     requires_grad: bool
 
 
+@dataclass(frozen=True)
+class EmptyCacheSpec:
+    """A key/value cache argument (Hugging Face's ``Cache`` protocol: ``update`` and ``get_seq_length``), which a
+    block's timing rebuilds as a new, empty instance of its class.
+
+    [Note: a cache argument]
+    Hugging Face's decoders pass the step's ``DynamicCache`` to every decoder layer, also in training (``use_cache``
+    defaults to true), and each layer appends its keys and values to it: work of the real step, so its time belongs
+    to the block. The object itself cannot be replayed (after the trace it holds every layer's fake tensors), but an
+    empty one of the same class does the same work for one layer: it allocates the layer's entry and stores the
+    keys and values, as the first layer's call does in the step. The class name is the block's key, so identical
+    layers share one timing.
+    """
+
+    cls: type
+
+    def build(self) -> Any:
+        """A new, empty cache."""
+        return self.cls()
+
+    def __repr__(self) -> str:
+        return f"EmptyCacheSpec({self.cls.__module__}.{self.cls.__qualname__})"
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache a block can be timed with (see [Note: a cache argument])."""
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
 def _spec(value: Any) -> Any:
     if isinstance(value, Tensor):
         sizes = [_static(d) for d in value.shape]
         return TensorSpec(tuple(-1 if d is None else d for d in sizes), value.dtype, value.requires_grad)
+    if is_cache(value):
+        return EmptyCacheSpec(type(value))
     return value
 
 

@@ -108,6 +108,8 @@ def run(spec: str, out: Path) -> None:
         "buffers": {k: v.detach().float().cpu().clone() for k, v in model.named_buffers()},
         "extra": {k: getattr(model, k) for k in ("epoch_metrics", "skipped") if hasattr(model, k)},
         "plan": trainer.strategy.plan.to_dict() if kind != "ddp" else None,
+        "profile": profiled.to_dict() if profiled else None,  # for predictions under other constants
+        "step_seconds": [m.seconds for m in monitor.measurements[1:] if not m.tracked] if monitor is not None else [],
         "profile_mode": trainer.strategy.profile.mode if kind != "ddp" and trainer.strategy.profile else None,
         "peak": getattr(trainer.strategy, "peak_memory_bytes", None),
         "setup_peak": getattr(trainer.strategy, "setup_peak_memory_bytes", None),
