@@ -5,8 +5,10 @@ corpus model at its ample budget (a copy of the step is measured) and its tight 
 by one), on 2 CPU ranks, for ``--epochs`` epochs so that enough steps run untracked to be timed
 (``lightning_osdp/step_monitor.py`` [Note: timed steps]), and prints one markdown table: the budget, the measured
 step and setup peaks (the larger rank's), predicted over measured peak, and the predicted and measured step time
-(rank 0's median of its untracked steps after the first) with their ratio. ``--rounds`` repeats the whole launch;
-the table gives each ratio's median over rounds and its range, which is the A/A spread of the measurement.
+(rank 0's median of its untracked steps after the first) with their ratio; for a run planned on fake tensors, the
+same plan predicted from a profile measured on a copy too (what the fake-tensor path costs in accuracy, apart from
+how the step's time is modelled). ``--rounds`` repeats the whole launch; the table gives each ratio's median over
+rounds and its range, which is the A/A spread of the measurement.
 
     python benchmarks/user_corpus.py --epochs 6 --rounds 2     # about 10 minutes on 2 quiet cores
 """
@@ -54,7 +56,7 @@ def launch(out: Path, models: list[str], epochs: int) -> float:
         ],
         check=True,
         cwd=ROOT,
-        env={**os.environ, "CORPUS_EPOCHS": str(epochs), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "CORPUS_EPOCHS": str(epochs), "OMP_NUM_THREADS": "1", "CORPUS_COMPARE_PROFILES": "1"},
         capture_output=True,
     )
     return time.perf_counter() - started
@@ -92,9 +94,9 @@ def main() -> None:
     print(f"{args.rounds} round(s), {args.epochs} epochs, {cpu:.0f} s of CPU in the launches\n")
     print(
         "| model | budget | MiB | step peak | setup peak | peak pred/meas | mode | step pred ms | step meas ms "
-        "| time pred/meas | timed steps |"
+        "| time pred/meas | timed steps | pred from a measured profile ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for kind in ("ample", "tight"):
             runs = [rnd[(model, kind)] for rnd in rounds]
@@ -105,10 +107,13 @@ def main() -> None:
             predicted = [ranks[0]["predicted_step_time"] * 1e3 for ranks in runs if ranks[0]["predicted_step_time"]]
             measured = [ranks[0]["step_time"] * 1e3 for ranks in runs if ranks[0]["step_time"]]
             ratios = [p / m for p, m in zip(predicted, measured, strict=False)]
+            # The same plan from a profile measured on a copy (fake-tensor runs only; see corpus_runner.py).
+            alternative = [r[0]["predicted_from_measured_profile"] for r in runs]
+            alternative = [a * 1e3 for a in alternative if a]
             print(
                 f"| {model} | {kind} | {first['budget'] / MIB:.3f} | {max(peaks) / MIB:.3f} | {max(setup) / MIB:.3f} "
                 f"| {_spread(memory)} | {first['profile_mode']} | {_spread(predicted)} | {_spread(measured)} "
-                f"| {_spread(ratios)} | {first['timed_steps']} |"
+                f"| {_spread(ratios)} | {first['timed_steps']} | {_spread(alternative)} |"
             )
 
 

@@ -102,6 +102,14 @@ def run(spec: str, out: Path) -> None:
     monitor = getattr(trainer.strategy, "monitor", None)
     profiled = getattr(trainer.strategy, "profile", None)
     predicted = predict(profiled, trainer.strategy.plan, dist.get_world_size()) if profiled else None
+    # The same plan predicted from a profile measured on a copy (benchmarks/user_corpus.py): what the fake-tensor
+    # path's prediction is worth against the measured path's, apart from how the step's time is modelled.
+    against_measured = None
+    if predicted is not None and profiled.mode != "measured" and os.environ.get("CORPUS_COMPARE_PROFILES"):
+        torch.manual_seed(0)
+        measured = profile(case.build(), largest_batch(case.loader(), scanned=10**9)[0], mode="measured")
+        measured = dataclasses.replace(measured, gradient_accumulation=profiled.gradient_accumulation)
+        against_measured = predict(measured, trainer.strategy.plan, dist.get_world_size()).step_seconds
     result = {
         "losses": list(model.losses),
         "state": state if dist.get_rank() == 0 else None,
@@ -118,6 +126,7 @@ def run(spec: str, out: Path) -> None:
         "time_ratio": check.time_ratio if check is not None else None,
         "step_time": getattr(trainer.strategy, "step_time", None),
         "predicted_step_time": predicted.step_seconds if predicted is not None else None,
+        "predicted_from_measured_profile": against_measured,
         "timed_steps": sum(not m.tracked for m in monitor.measurements[1:]) if monitor is not None else 0,
         "fit_seconds": seconds,
         "warnings": [str(w.message) for w in caught if "OSDP" in str(w.message)],
