@@ -713,6 +713,20 @@ def test_hugging_face_decoder_layers_are_timed_in_blocks_mode() -> None:
     assert layers[0].fwd_seconds == layers[1].fwd_seconds > 0
 
 
+def test_a_cache_that_cannot_be_built_empty_leaves_its_blocks_estimated() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config)  # its decoder's EncoderDecoderCache needs arguments
+    ids = torch.randint(0, 64, (2, 12))
+    result = profile(model, {"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss, mode="blocks")
+    assert set(result.info["blocks"]["timed"]) == {"encoder.block.0", "encoder.block.1"}
+    assert result.info["blocks"]["skipped"] == {
+        f"decoder.block.{i}": "an argument of type EncoderDecoderCache cannot be rebuilt" for i in (0, 1)
+    }
+
+
 @pytest.mark.parametrize("example", ["gpt", "llama"])
 def test_an_estimated_profile_of_a_deep_model_traced_on_two_blocks_equals_the_whole_trace(
     example: str, monkeypatch: pytest.MonkeyPatch

@@ -43,7 +43,7 @@ from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.apply.recompute import KeepOutputs, RecomputedForward, ReplayKept, recompute_modules
 from lightning_osdp.memory import memory_meter
 from lightning_osdp.profiling.timing import timed_section
-from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder, is_cache
+from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder, empty_cache
 
 __all__ = ["SelectiveFigures", "fresh_caches", "measure_selective", "time_replay"]
 
@@ -98,7 +98,12 @@ def _fake(t: Tensor) -> bool:
 def fresh_caches(arguments: Any) -> Any:
     """``arguments`` with every key/value cache replaced by an empty one of its class (see [Note: measuring
     selective recomputation])."""
-    return tree_map(lambda leaf: type(leaf)() if is_cache(leaf) else leaf, arguments)
+
+    def fresh(leaf: Any) -> Any:
+        empty = empty_cache(leaf)
+        return leaf if empty is None else empty
+
+    return tree_map(fresh, arguments)
 
 
 def time_replay(

@@ -343,16 +343,23 @@ class EmptyCacheSpec:
         return f"EmptyCacheSpec({self.cls.__module__}.{self.cls.__qualname__})"
 
 
-def is_cache(value: Any) -> bool:
-    """Whether ``value`` is a key/value cache a block can be timed with (see [Note: a cache argument])."""
-    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+def empty_cache(value: Any) -> Any | None:
+    """A new, empty key/value cache of ``value``'s class, when ``value`` is one (``update`` and ``get_seq_length``)
+    whose class builds one without arguments (``DynamicCache``; not ``StaticCache`` or ``EncoderDecoderCache``, whose
+    blocks keep their estimated times); else ``None``. See [Note: a cache argument]."""
+    if not (callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))):
+        return None
+    try:
+        return type(value)()
+    except (TypeError, ValueError):
+        return None
 
 
 def _spec(value: Any) -> Any:
     if isinstance(value, Tensor):
         sizes = [_static(d) for d in value.shape]
         return TensorSpec(tuple(-1 if d is None else d for d in sizes), value.dtype, value.requires_grad)
-    if is_cache(value):
+    if empty_cache(value) is not None:
         return EmptyCacheSpec(type(value))
     return value
 
