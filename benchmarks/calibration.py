@@ -62,7 +62,7 @@ from lightning_osdp.cli.hardware import (
     get_hardware,
     get_network,
 )
-from lightning_osdp.cli.reserved_memory import DeviceMemory, device_memory
+from lightning_osdp.cli.reserved_memory import DeviceMemory, plan_device_memory
 from lightning_osdp.cost_model import predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Plan
@@ -156,11 +156,11 @@ def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
         ):
             if value not in known:
                 raise ValueError(f"{path}: run {run.id}: {field} {value!r} is not one of {', '.join(known)}")
-        unknown = [k for k in run.fused if k not in _FUSED_KERNELS or run.model != "llama"]
+        unknown = [k for k in run.fused if k not in _FUSED_KERNELS or (k == "rmsnorm" and run.model != "llama")]
         if unknown:
             raise ValueError(
-                f"{path}: run {run.id}: fused kernels {unknown} are not modelled (known, Llama only: "
-                f"{', '.join(_FUSED_KERNELS)})"
+                f"{path}: run {run.id}: fused kernels {unknown} are not modelled (known: {', '.join(_FUSED_KERNELS)}; "
+                "rmsnorm for Llama only)"
             )
         if run.shape.get("context_length") != run.seq_len:
             raise ValueError(f"{path}: run {run.id}: shape's context_length differs from seq_len {run.seq_len}")
@@ -191,6 +191,8 @@ def build_model(run: PublishedRun) -> torch.nn.Module:
             from gpt import GPTModule
 
             module = GPTModule(**run.shape)
+            if "cross_entropy" in run.fused:
+                module._step = functools.partial(_step_with_fused_cross_entropy, module)  # type: ignore[method-assign]
     return _precision_plugin(run).convert_module(module) if run.precision == "bf16-true" else module
 
 
@@ -198,7 +200,8 @@ def build_model(run: PublishedRun) -> torch.nn.Module:
 # Some published runs replace the reference model's eager operators by fused kernels (the row's ``fused``): torchtitan's
 # 2024 A100 runs normalise with its Triton ``fused_rmsnorm`` (``norm_type = "fused_rmsnorm"`` in
 # ``train_configs/llama_13b.toml`` and ``llama3_8b.toml`` of the commits that published them); TinyLlama with
-# flash-attn's fused RMSNorm and cross-entropy. What such a kernel changes that the dry run must see is first what it
+# flash-attn's fused RMSNorm and cross-entropy; llm-foundry's MPT with flash-attn's cross-entropy (its default
+# ``loss_fn: fused_crossentropy``). What such a kernel changes that the dry run must see is first what it
 # keeps for backward: a fused RMSNorm keeps its input and one fp32 inverse root per row, where the eager
 # ``examples/llama`` RMSNorm keeps the fp32 copy of its input and the fp32 normalised values (autograd's saved tensors
 # of ``float``, ``pow``, ``mul``); a fused cross-entropy keeps the logits as they are and one log-sum-exp per row,
@@ -245,10 +248,19 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # The kernel writes the gradient over the logits, in their dtype (flash-attn's ``inplace_backward``, which
+        # lit-gpt's FusedCrossEntropyLoss sets): no float32 copy of the logits at the loss's backward.
         logits, lse, targets = ctx.saved_tensors
-        probabilities = torch.exp(logits.float() - lse[:, None])
-        probabilities.scatter_add_(-1, targets[:, None], torch.full_like(lse[:, None], -1.0))
-        return (probabilities * (grad / logits.shape[0])).type_as(logits), None
+        probabilities = torch.exp(logits - lse[:, None].to(logits.dtype))
+        probabilities.scatter_add_(-1, targets[:, None], torch.full_like(probabilities[:, :1], -1.0))
+        return probabilities.mul_(grad / logits.shape[0]), None
+
+
+def _step_with_fused_cross_entropy(module: Any, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``examples/gpt``'s step (``GPTModule._step``: loss, logits, targets) with the fused cross-entropy."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = module(inputs)
+    return _FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten()), logits, targets
 
 
 def _loss_with_fused_cross_entropy(module: Any, batch: torch.Tensor) -> torch.Tensor:
@@ -421,16 +433,12 @@ def predict_run(traced: TracedRun, efficiency: float, memory: float) -> RowPredi
     run = traced.run
     profile = traced.profile(efficiency, memory)
     figures = figures_of(run, efficiency, memory)
-    prediction = predict(profile, published_plan(run, traced.module), figures.topology)
+    plan = published_plan(run, traced.module)
+    prediction = predict(profile, plan, figures.topology)
     parts = prediction.step_parts
     # Accumulation: every micro-batch runs forward, backward and its reductions; the optimizer steps once.
     micro_step = prediction.step_seconds - parts.get("optimizer", 0.0) * (1.0 - 1.0 / run.grad_accum)
-    peak = prediction.peak
-    transient = peak.activations + peak.gathered_parameters + peak.communication_buffers
-    communicators = 0 if run.world_size == 1 else 2 if run.sharding == "hybrid_shard" and run.nodes > 1 else 1
-    memory_figures = device_memory(
-        prediction.peak_bytes, min(transient, prediction.peak_bytes), communicators=communicators
-    )
+    memory_figures = plan_device_memory(prediction, plan, figures.topology)
     return RowPrediction(
         run.micro_batch * run.seq_len / micro_step, micro_step, memory_figures, figures.memory_bytes or 0
     )
