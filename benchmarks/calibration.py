@@ -7,7 +7,9 @@ embedding, learned positions), profiles it on fake tensors with the built-in fig
 ``osdp plan`` does (``cli.estimate.estimated_profile``), and predicts the published configuration's fixed plan
 (every block and the root in the published sharding mode, every block recomputed as published; no solve) with the
 cost model (``cost_model.predict``). The prediction per GPU is the published micro-batch's tokens over the
-micro-batch's step, the optimizer's step spread over the accumulation steps.
+micro-batch's step, the optimizer's step spread over the accumulation steps. What a row says beyond a plan is modelled
+here: its attention kernel (``hardware.py``'s ``ATTENTION_KERNEL_SPEED``), torchtitan's selective policy
+(:func:`_with_published_policy`) and the fused kernels that change what the step keeps ([Note: fused kernels]).
 
 Calibration. The calibrated constants are ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
 [Note: a training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training
