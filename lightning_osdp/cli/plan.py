@@ -713,7 +713,8 @@ def _report(
         + f"step ms: the predicted step; samples/s: over all {run.world_size} ranks (- where it does not fit); "
         + tokens,
         (
-            "max batch: the largest per-device batch whose predicted peak fits (OSDP re-planned at each size), and "
+            "max batch: the largest per-device batch whose predicted allocated peak fits the budget less the "
+            "headroom (the planner's test; OSDP re-planned at each size), and "
             "@max the figures at it; all figures are affine in the batch size, profiled at "
             f"{scaled.low_batch} and {scaled.high_batch} and interpolated."
             if searched
