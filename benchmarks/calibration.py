@@ -208,8 +208,8 @@ def build_model(run: PublishedRun) -> torch.nn.Module:
 # ``examples/llama`` RMSNorm keeps the fp32 copy of its input and the fp32 normalised values (autograd's saved tensors
 # of ``float``, ``pow``, ``mul``); a fused cross-entropy keeps the logits as they are and one log-sum-exp per row,
 # where the eager loss keeps the fp32 logits and their log-softmax. So each is traced as one autograd function that
-# keeps what the kernel keeps. Its operators are still the eager ones inside the function (forward and backward), so
-# its time is an upper bound: these rows' throughput is predicted as if the kernels were not fused.
+# keeps what the kernel keeps. Its operators are still eager ones inside the function (forward and backward), so its
+# time is an upper bound: these rows' throughput is predicted about as if the kernels were not fused.
 _FUSED_KERNELS = ("rmsnorm", "cross_entropy")
 
 
@@ -250,8 +250,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # The kernel writes the gradient over the logits, in their dtype (flash-attn's ``inplace_backward``, which
-        # lit-gpt's FusedCrossEntropyLoss sets): no float32 copy of the logits at the loss's backward.
+        # flash-attn's kernel writes the gradient in the logits' dtype, with no float32 copy of them: a new tensor here
+        # (its default), where TinyLlama's ``inplace_backward=True`` writes over the logits (a little less memory).
         logits, lse, targets = ctx.saved_tensors
         probabilities = torch.exp(logits - lse[:, None].to(logits.dtype))
         probabilities.scatter_add_(-1, targets[:, None], torch.full_like(probabilities[:, :1], -1.0))
