@@ -7,7 +7,9 @@ embedding, learned positions), profiles it on fake tensors with the built-in fig
 ``osdp plan`` does (``cli.estimate.estimated_profile``), and predicts the published configuration's fixed plan
 (every block and the root in the published sharding mode, every block recomputed as published; no solve) with the
 cost model (``cost_model.predict``). The prediction per GPU is the published micro-batch's tokens over the
-micro-batch's step, the optimizer's step spread over the accumulation steps.
+micro-batch's step, the optimizer's step spread over the accumulation steps. What a row says beyond a plan is modelled
+here: its attention kernel (``hardware.py``'s ``ATTENTION_KERNEL_SPEED``), torchtitan's selective policy
+(:func:`_with_published_policy`) and the fused kernels that change what the step keeps ([Note: fused kernels]).
 
 Calibration. The calibrated constants are ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
 [Note: a training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -54,13 +57,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt")
 
 from lightning_osdp.cli.estimate import estimated_profile
 from lightning_osdp.cli.hardware import (
+    ATTENTION_KERNEL_SPEED,
     MEMORY_EFFICIENCY,
     TRAINING_MATMUL_EFFICIENCY,
     HardwareFigures,
     get_hardware,
     get_network,
 )
-from lightning_osdp.cli.reserved_memory import DeviceMemory, device_memory
+from lightning_osdp.cli.reserved_memory import DeviceMemory, plan_device_memory
 from lightning_osdp.cost_model import predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Plan
@@ -78,10 +82,15 @@ MATMUL_CORNERS = (1.0, 0.6)
 MEMORY_CORNERS = (MEMORY_EFFICIENCY, 0.3)
 _SHARDINGS = ("full_shard", "hybrid_shard", "shard_grad_op")
 _RECOMPUTE = ("none", "selective", "full")
-_PRECISIONS = ("bf16-fsdp", "bf16-mixed")
+_PRECISIONS = ("bf16-fsdp", "bf16-mixed", "bf16-true")
 _MODELS = ("llama", "gpt")
 #: How the published step ran: the dry run traces the eager step, so only ``"eager"`` runs calibrate it.
 _STEPS = ("eager", "torch.compile", "fused kernels")
+#: Which operators a run's selective recomputation keeps (see :func:`_with_published_policy`).
+_SELECTIVE_POLICIES = ("osdp", "torchtitan")
+#: torchtitan's policy recomputes every second ``mm`` of a block: in its Llama's call order (``wq``, ``wk``, ``wv``,
+#: ``wo``, ``w1``, ``w3``, ``w2``) the 2nd, 4th and 6th.
+_TORCHTITAN_RECOMPUTED = ("attention.wk", "attention.wo", "feed_forward.w3")
 _REQUIRED = (
     "id", "source", "citation", "model", "shape", "hardware", "nodes", "gpus_per_node", "micro_batch", "grad_accum",
     "seq_len", "precision", "recompute", "sharding", "step", "tokens_per_second_per_gpu",
@@ -113,6 +122,9 @@ class PublishedRun:
     mfu_convention: str | None = None
     memory_gib: float | None = None
     memory_kind: str | None = None
+    attention: str = "flash-attention-2"
+    selective_policy: str = "osdp"
+    fused: tuple[str, ...] = ()
     notes: str = ""
 
     @property
@@ -134,16 +146,24 @@ def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
         missing = [k for k in _REQUIRED if raw.get(k) in (None, "")]
         if missing:
             raise ValueError(f"{path}: run {i} ({raw.get('id', '?')}) lacks {', '.join(missing)}")
-        run = PublishedRun(**raw)
+        run = PublishedRun(**{**raw, "fused": tuple(raw.get("fused", ()))})
         for field, value, known in (
             ("model", run.model, _MODELS),
             ("sharding", run.sharding, _SHARDINGS),
             ("recompute", run.recompute, _RECOMPUTE),
             ("precision", run.precision, _PRECISIONS),
             ("step", run.step, _STEPS),
+            ("attention", run.attention, tuple(ATTENTION_KERNEL_SPEED)),
+            ("selective_policy", run.selective_policy, _SELECTIVE_POLICIES),
         ):
             if value not in known:
                 raise ValueError(f"{path}: run {run.id}: {field} {value!r} is not one of {', '.join(known)}")
+        unknown = [k for k in run.fused if k not in _FUSED_KERNELS or (k == "rmsnorm" and run.model != "llama")]
+        if unknown:
+            raise ValueError(
+                f"{path}: run {run.id}: fused kernels {unknown} are not modelled (known: {', '.join(_FUSED_KERNELS)}; "
+                "rmsnorm for Llama only)"
+            )
         if run.shape.get("context_length") != run.seq_len:
             raise ValueError(f"{path}: run {run.id}: shape's context_length differs from seq_len {run.seq_len}")
         if run.tokens_per_second_per_gpu <= 0 or run.micro_batch < 1 or run.grad_accum < 1:
@@ -156,23 +176,116 @@ def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
 
 
 def build_model(run: PublishedRun) -> torch.nn.Module:
-    """The run's model on the meta device."""
-    if run.model == "llama":
-        from llama import LlamaModule
-
-        with torch.device("meta"):
-            return LlamaModule(**run.shape)
-    from gpt import GPTModule
-
+    """The run's model on the meta device (its parameters in bf16 under ``bf16-true``), with the run's fused kernels
+    (see :data:`_FUSED_KERNELS`)."""
     with torch.device("meta"):
-        return GPTModule(**run.shape)
+        if run.model == "llama":
+            from llama import LlamaModule, RMSNorm
+
+            module: torch.nn.Module = LlamaModule(**run.shape)
+            if "rmsnorm" in run.fused:
+                for norm in module.modules():
+                    if isinstance(norm, RMSNorm):
+                        norm.forward = functools.partial(_fused_rms_norm, norm)  # type: ignore[method-assign]
+            if "cross_entropy" in run.fused:
+                module._loss = functools.partial(_loss_with_fused_cross_entropy, module)  # type: ignore[method-assign]
+        else:
+            from gpt import GPTModule
+
+            module = GPTModule(**run.shape)
+            if "cross_entropy" in run.fused:
+                module._step = functools.partial(_step_with_fused_cross_entropy, module)  # type: ignore[method-assign]
+    return _precision_plugin(run).convert_module(module) if run.precision == "bf16-true" else module
+
+
+# [Note: fused kernels]
+# Some published runs replace the reference model's eager operators by fused kernels (the row's ``fused``): torchtitan's
+# 2024 A100 runs normalise with its Triton ``fused_rmsnorm`` (``norm_type = "fused_rmsnorm"`` in
+# ``train_configs/llama_13b.toml`` and ``llama3_8b.toml`` of the commits that published them); TinyLlama with
+# flash-attn's fused RMSNorm and cross-entropy; llm-foundry's MPT with flash-attn's cross-entropy (its default
+# ``loss_fn: fused_crossentropy``). What such a kernel changes that the dry run must see is first what it
+# keeps for backward: a fused RMSNorm keeps its input and one fp32 inverse root per row, where the eager
+# ``examples/llama`` RMSNorm keeps the fp32 copy of its input and the fp32 normalised values (autograd's saved tensors
+# of ``float``, ``pow``, ``mul``); a fused cross-entropy keeps the logits as they are and one log-sum-exp per row,
+# where the eager loss keeps the fp32 logits and their log-softmax. So each is traced as one autograd function that
+# keeps what the kernel keeps. Its operators are still eager ones inside the function (forward and backward), so its
+# time is an upper bound: these rows' throughput is predicted about as if the kernels were not fused.
+_FUSED_KERNELS = ("rmsnorm", "cross_entropy")
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm keeping its input and the inverse root of each row (see [Note: fused kernels])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.float()
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (h * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = (grad.float() * normed).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        g = grad.float() * weight.float()
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.type_as(x), grad_weight, None
+
+
+def _fused_rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    return _FusedRMSNorm.apply(x, norm.weight, norm.eps)
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy keeping the logits as they are and one log-sum-exp per row (see [Note: fused
+    kernels])."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        picked = logits.gather(-1, targets[:, None]).squeeze(-1).float()
+        ctx.save_for_backward(logits, lse, targets)
+        return (lse - picked).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # flash-attn's kernel writes the gradient in the logits' dtype, with no float32 copy of them: a new tensor here
+        # (its default), where TinyLlama's ``inplace_backward=True`` writes over the logits (a little less memory).
+        logits, lse, targets = ctx.saved_tensors
+        probabilities = torch.exp(logits - lse[:, None].to(logits.dtype))
+        probabilities.scatter_add_(-1, targets[:, None], torch.full_like(probabilities[:, :1], -1.0))
+        return probabilities.mul_(grad / logits.shape[0]), None
+
+
+def _step_with_fused_cross_entropy(module: Any, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``examples/gpt``'s step (``GPTModule._step``: loss, logits, targets) with the fused cross-entropy."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = module(inputs)
+    return _FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten()), logits, targets
+
+
+def _loss_with_fused_cross_entropy(module: Any, batch: torch.Tensor) -> torch.Tensor:
+    """``examples/llama``'s loss (``LlamaModule._loss``) with the fused cross-entropy."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = module(inputs)
+    return _FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
+
+
+def _precision_plugin(run: PublishedRun) -> Any:
+    """Lightning's plugin of the run's precision: autocast over fp32 parameters (under FSDP2's bf16 policy for
+    ``bf16-fsdp``), or bf16 parameters throughout (``bf16-true``)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+
+    return HalfPrecision("bf16-true") if run.precision == "bf16-true" else MixedPrecision("bf16-mixed", "cpu")
 
 
 def figures_of(
     run: PublishedRun, efficiency: float | None = None, memory: float = MEMORY_EFFICIENCY
 ) -> HardwareFigures:
     """The built-in figures of the run's GPUs, nodes and network, matmuls at ``efficiency`` of their ceilings (default:
-    the code's for the GPU's generation) and memory-bound operators at ``memory`` of the DRAM bandwidth."""
+    the code's for the GPU's generation) and memory-bound operators at ``memory`` of the DRAM bandwidth, attention on
+    the run's kernel."""
     network = get_network(run.network) if run.network else None
     hardware = get_hardware(run.hardware)
     return hardware.figures(
@@ -182,24 +295,57 @@ def figures_of(
         network=network,
         training_efficiency=efficiency,
         memory_efficiency=memory,
+        attention_kernel=run.attention,
     )
 
 
 def trace(run: PublishedRun, module: torch.nn.Module, efficiency: float, memory: float) -> ModelProfile:
     """The estimated profile of one micro-batch of ``run`` at these rates, with the figures' two network levels."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
     figures = figures_of(run, efficiency, memory)
     batch = torch.zeros((run.micro_batch, run.seq_len + 1), dtype=torch.int64, device="meta")
-    return estimated_profile(
+    profile = estimated_profile(
         module,
         batch,
         figures,
         optimizer=torch.optim.AdamW,
-        step_context=MixedPrecision("bf16-mixed", "cpu").train_step_context,
+        step_context=_precision_plugin(run).train_step_context,
         mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
         world_size=run.world_size,
     )
+    if run.recompute == "selective" and run.selective_policy == "torchtitan":
+        profile = _with_published_policy(run, module, profile, figures.rates)
+    return profile
+
+
+def _with_published_policy(
+    run: PublishedRun, module: torch.nn.Module, profile: ModelProfile, rates: Any
+) -> ModelProfile:
+    """``profile`` with each block's selective figures moved from OSDP's policy (every matrix product's output kept,
+    ``apply/recompute.py`` [Note: selective recomputation]) to torchtitan's, which its published runs use: the outputs
+    of the 2nd, 4th and 6th ``mm`` (``wk``, ``wo``, ``w3``) are not kept (bf16, one value per output feature and
+    token) and their products run again in the replay, at the rates' price of their shapes."""
+    from lightning_osdp.profiling.tracer import ComputeKernel
+
+    tokens = run.micro_batch * run.seq_len
+    modules = dict(profile.modules)
+    for name, figures in profile.modules.items():
+        if figures.selective_kept_bytes is None or figures.selective_replay_seconds is None:
+            continue
+        dropped, seconds = 0, 0.0
+        for linear_name in _TORCHTITAN_RECOMPUTED:
+            linear = module.get_submodule(f"{name}.{linear_name}")
+            assert isinstance(linear, torch.nn.Linear), f"{name}.{linear_name}"
+            out_bytes = 2 * tokens * linear.out_features
+            flops = 2 * tokens * linear.in_features * linear.out_features
+            operand_bytes = 2 * (tokens * linear.in_features + linear.in_features * linear.out_features) + out_bytes
+            dropped += out_bytes
+            seconds += rates.matmul_op_seconds + rates.kernel_seconds(ComputeKernel("matmul", flops, operand_bytes))
+        modules[name] = dataclasses.replace(
+            figures,
+            selective_kept_bytes=figures.selective_kept_bytes - dropped,
+            selective_replay_seconds=figures.selective_replay_seconds + seconds,
+        )
+    return dataclasses.replace(profile, modules=modules)
 
 
 @dataclass
@@ -289,16 +435,12 @@ def predict_run(traced: TracedRun, efficiency: float, memory: float) -> RowPredi
     run = traced.run
     profile = traced.profile(efficiency, memory)
     figures = figures_of(run, efficiency, memory)
-    prediction = predict(profile, published_plan(run, traced.module), figures.topology)
+    plan = published_plan(run, traced.module)
+    prediction = predict(profile, plan, figures.topology)
     parts = prediction.step_parts
     # Accumulation: every micro-batch runs forward, backward and its reductions; the optimizer steps once.
     micro_step = prediction.step_seconds - parts.get("optimizer", 0.0) * (1.0 - 1.0 / run.grad_accum)
-    peak = prediction.peak
-    transient = peak.activations + peak.gathered_parameters + peak.communication_buffers
-    communicators = 0 if run.world_size == 1 else 2 if run.sharding == "hybrid_shard" and run.nodes > 1 else 1
-    memory_figures = device_memory(
-        prediction.peak_bytes, min(transient, prediction.peak_bytes), communicators=communicators
-    )
+    memory_figures = plan_device_memory(prediction, plan, figures.topology)
     return RowPrediction(
         run.micro_batch * run.seq_len / micro_step, micro_step, memory_figures, figures.memory_bytes or 0
     )

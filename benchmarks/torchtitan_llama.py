@@ -26,8 +26,9 @@ matrix products and attention kept, the other operators recomputed): the runs th
 every block, and, beside it, with every block fully recomputed and with every second block, as the dry run could only
 express them before. torchtitan's published runs also recompute every second matrix product of a block (its
 ``_save_list`` policy); OSDP's selective policy keeps them all, so its figures sit above torchtitan's in memory and
-below in recomputed work. ``fits`` says whether the predicted peak fits the GPU's memory less the CUDA reserve and the
-planner's headroom, as ``osdp plan`` judges it.
+below in recomputed work (``benchmarks/calibration.py`` predicts these runs with torchtitan's policy and kernels).
+``fits`` says whether the predicted peak fits the GPU's memory less the CUDA reserve and the planner's headroom and the
+device total (``cli/reserved_memory.py``) fits the card, as ``osdp plan`` judges it.
 
 Run from the repository root: ``python benchmarks/torchtitan_llama.py [--only NAME]`` (the 405B shape takes most of
 the time: a few minutes on 2 cores). ``--out FILE`` writes the rows as JSON.
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "llama
 from lightning_osdp.budget import CUDA_RESERVE_BYTES, format_bytes
 from lightning_osdp.cli.estimate import estimated_profile
 from lightning_osdp.cli.hardware import get_hardware
+from lightning_osdp.cli.reserved_memory import plan_device_memory
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Decision, Plan
@@ -276,7 +278,8 @@ def main() -> None:
         predictions, traced = fsdp_predictions(run)
         hardware = get_hardware(run.hardware)
         peak = hardware.half_flops
-        capacity = hardware.figures(run.world_size, "bf16-mixed", nodes=run.nodes).memory_bytes
+        figures = hardware.figures(run.world_size, "bf16-mixed", nodes=run.nodes)
+        capacity, topology = figures.memory_bytes, figures.topology
         budget = planned_budget(capacity - CUDA_RESERVE_BYTES, DEFAULT_MEMORY_HEADROOM) if capacity else None
         per_token = flops_per_token(run.shape, _parameters_without_embedding(run.shape))
         for label, prediction, plan in predictions:
@@ -299,7 +302,12 @@ def main() -> None:
                     "published_memory_gib": run.memory_gib,
                     "predicted_memory_gib": round(prediction.peak_bytes / GIB, 2),
                     "memory_ratio": round(prediction.peak_bytes / GIB / run.memory_gib, 3) if run.memory_gib else None,
-                    "fits": prediction.peak_bytes <= budget if budget is not None else None,
+                    "fits": (
+                        prediction.peak_bytes <= budget
+                        and plan_device_memory(prediction, plan, topology).fits(capacity)
+                        if budget is not None and capacity
+                        else None
+                    ),
                     "planned_budget_gib": round(budget / GIB, 2) if budget is not None else None,
                     "step_ms": round(prediction.step_seconds * 1e3, 1),
                     "step_parts_ms": {k: round(v * 1e3, 1) for k, v in prediction.step_parts.items()},

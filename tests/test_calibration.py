@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -138,3 +139,91 @@ def test_the_published_7b_at_batch_6_x_2048_fits_the_80_gb_card_it_ran_on() -> N
     assert prediction.card_bytes == 80 * GIB
     assert prediction.memory.allocated < prediction.memory.reserved < prediction.memory.device_total < 80 * GIB
     assert prediction.fits
+
+
+def test_llm_foundrys_triton_attention_runs_at_its_published_share_of_flash_attention_2() -> None:
+    from lightning_osdp.cli.errors import CLIError
+    from lightning_osdp.cli.hardware import ATTENTION_KERNEL_SPEED, get_hardware
+
+    hardware = get_hardware("h100-sxm")
+    fa2 = hardware.figures(8, "bf16-mixed").rates.attention_flops_per_second
+    triton = hardware.figures(8, "bf16-mixed", attention_kernel="flash-attention-triton").rates
+    # FlashAttention-2 paper, section 4.1: 1.3-1.5x faster forward, 2x backward (backward 2.5 times forward's FLOPs).
+    assert ATTENTION_KERNEL_SPEED["flash-attention-triton"] == pytest.approx(3.5 / 6.4)
+    for (c, d, n, rate), (c2, d2, n2, slower) in zip(fa2, triton.attention_flops_per_second, strict=True):
+        assert (c, d, n) == (c2, d2, n2) and slower == pytest.approx(rate * 3.5 / 6.4)
+    assert "flash-attention-triton" in " ".join(
+        hardware.figures(8, "bf16-mixed", attention_kernel="flash-attention-triton").notes
+    )
+    with pytest.raises(CLIError, match="unknown attention kernel 'xformers'"):
+        hardware.figures(8, "bf16-mixed", attention_kernel="xformers")
+    foundry = [r for r in calibration.load_runs() if r.source == "llm-foundry"]
+    assert foundry and all(r.attention == "flash-attention-triton" for r in foundry)
+
+
+def _small_selective_run(**changes: object) -> calibration.PublishedRun:
+    """torchtitan's 8B row at a shape small enough to trace in a test, with selective recomputation."""
+    (run,) = [r for r in calibration.load_runs() if r.id == "tt-8b-8xh100"]
+    shape = {**run.shape, "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 64}
+    shape |= {"context_length": 256, "vocab_size": 512}
+    return dataclasses.replace(run, shape=shape, seq_len=256, micro_batch=2, **changes)  # type: ignore[arg-type]
+
+
+def test_torchtitans_policy_keeps_every_other_matrix_product_and_replays_the_rest() -> None:
+    ours = _small_selective_run(selective_policy="osdp")
+    theirs = _small_selective_run()
+    assert theirs.selective_policy == "torchtitan"  # the published rows say so
+    mine, published = calibration.trace_run(ours), calibration.trace_run(theirs)
+    tokens = ours.micro_batch * ours.seq_len
+    block = mine.module.get_submodule("model.layers.0")
+    # wk, wo and w3 of each block: their outputs are not kept (bf16), their products run again in the replay.
+    dropped = (
+        2
+        * tokens
+        * sum(block.get_submodule(name).out_features for name in ("attention.wk", "attention.wo", "feed_forward.w3"))
+    )
+    for name in ("model.layers.0", "model.layers.1"):
+        a, b = mine.base.modules[name], published.base.modules[name]
+        assert a.selective_kept_bytes - b.selective_kept_bytes == dropped
+        assert b.selective_replay_seconds > a.selective_replay_seconds
+    assert published.base.modules["model.layers.0"].fwd_seconds == mine.base.modules["model.layers.0"].fwd_seconds
+
+
+def test_fused_kernels_keep_less_than_the_eager_operators_and_compute_the_same_gradients() -> None:
+    eager = _small_selective_run(recompute="none")
+    fused = dataclasses.replace(eager, fused=("rmsnorm", "cross_entropy"))
+    peaks = [calibration.predict_run(calibration.trace_run(r), 1.0, 0.8).memory.allocated for r in (eager, fused)]
+    assert peaks[1] < peaks[0]
+    # The two autograd functions give the eager operators' values and gradients (on real tensors).
+    from llama import RMSNorm
+
+    norm = RMSNorm(8)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    eager_x, eager_w = torch.autograd.grad(norm(x).square().sum(), (x, norm.weight))
+    fused_x, fused_w = torch.autograd.grad(
+        calibration._FusedRMSNorm.apply(x, norm.weight, norm.eps).square().sum(), (x, norm.weight)
+    )
+    torch.testing.assert_close((fused_x, fused_w), (eager_x, eager_w))
+    logits = torch.randn(6, 7, requires_grad=True)
+    targets = torch.randint(0, 7, (6,))
+    reference = torch.nn.functional.cross_entropy(logits, targets)
+    loss = calibration._FusedCrossEntropy.apply(logits, targets)
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits), torch.autograd.grad(reference, logits))
+
+
+def test_a_run_with_a_fused_kernel_the_dry_run_does_not_model_is_refused(tmp_path: Path) -> None:
+    data = json.loads(calibration.RUNS_FILE.read_text())
+    data["runs"][0]["fused"] = ["swiglu"]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"fused kernels \['swiglu'\] are not modelled"):
+        calibration.load_runs(path)
+
+
+def test_kempnerforge_trains_in_bf16_and_reports_allocated_memory() -> None:
+    runs = [r for r in calibration.load_runs() if r.source == "kempnerforge"]
+    assert runs and all(r.precision == "bf16-true" and r.memory_kind == "allocated" for r in runs)
+    small = dataclasses.replace(_small_selective_run(), precision="bf16-true", recompute="full")
+    assert {p.dtype for p in calibration.build_model(small).parameters()} == {torch.bfloat16}

@@ -128,7 +128,14 @@ def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp
     assert ddp["max batch"] == "none"
     # FSDP shards that state 8 ways (2.4 GiB); what remains is mostly activations.
     assert gib(fsdp["peak/device"]) < 24 and fsdp["fits"] == "yes"
-    assert osdp_row["fits"] == "yes" and gib(osdp_row["peak/device"]) <= 24
+    # The planner holds OSDP's allocated peak within the budget less its headroom. On a GPU, "fits" also judges the
+    # device total (the allocator's reserved peak, NCCL's buffers, the CUDA context) against the card: a budget of the
+    # whole card leaves the plan no room for them.
+    assert gib(osdp_row["peak/device"]) <= 24 * 0.98
+    for name, row in rows.items():
+        assert gib(row["device total"]) > gib(row["peak/device"]), name
+        fits = gib(row["peak/device"]) <= 24 * 0.98 and gib(row["device total"]) <= 24
+        assert (row["fits"] == "yes") == fits, name
     for row in (fsdp, osdp_row, zero2):
         assert row["max batch"].isdigit() and int(row["max batch"]) >= 1
     # Whatever fits at batch 4 fits a batch at least that large; OSDP can always fall back to FSDP's choice.
@@ -159,6 +166,34 @@ def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp
             tokens_at_max = float(row["tokens/s/GPU @max"].replace(",", ""))
             assert tokens_at_max == pytest.approx(at_max * 1024 / 8, abs=printed), name
     assert "\x1b[" not in out, "captured output is not a terminal: plain text"
+
+
+def test_a_row_within_the_budget_does_not_fit_a_card_its_device_total_exceeds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A budget above the card's 24 GiB: DDP+AC's allocated peak (about 24.5 GiB) is within it, its device total is not
+    # within the card.
+    code, out, err = osdp(
+        capsys,
+        "plan",
+        "--model",
+        f"{GPT_FILE}:GPTModule",
+        "--init-args",
+        json.dumps(GPT_1_3B),
+        "--world-size",
+        8,
+        "--memory",
+        "26GiB",
+        "--hardware",
+        "rtx4090-pcie",
+        "--batch-size",
+        4,
+        "--no-search",
+    )
+    assert code == 0, err
+    ddp_ac = comparison(out)["DDP+AC"]
+    assert gib(ddp_ac["peak/device"]) <= 26 * 0.98 and gib(ddp_ac["device total"]) > 24
+    assert ddp_ac["fits"] == "no" and ddp_ac["samples/s"] == "-"
 
 
 def test_a_budget_no_plan_fits_exits_2_with_the_minimum_budget(capsys: pytest.CaptureFixture[str]) -> None:

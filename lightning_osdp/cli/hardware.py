@@ -77,6 +77,7 @@ if TYPE_CHECKING:
 # lightning_osdp.profiling (torch) inside the functions that build figures, not here.
 
 __all__ = [
+    "ATTENTION_KERNEL_SPEED",
     "HARDWARE",
     "NETWORKS",
     "Hardware",
@@ -113,8 +114,8 @@ TFLOPS = 1e12
 # Both ceilings above are microbenchmarks: one kernel at a time, on a cool GPU, the best of a sweep of shapes. A
 # training step runs thousands of kernels back to back at sustained power, beside NCCL's kernels and the allocator,
 # on the shapes the model has, and the published eager-mode runs of docs/benchmarks.md ("Calibration against published
-# runs") sit 2-36% below a prediction made at the ceilings (the runs that use torch.compile or hand-fused kernels,
-# which the trace of the eager step does not see, sit above it). So a dry run
+# runs") sit below a prediction made at the ceilings (the runs that use torch.compile or hand-fused kernels, which
+# the trace of the eager step does not see, sit above it). So a dry run
 # charges matmuls and attention at TRAINING_MATMUL_EFFICIENCY of their published ceilings: one constant per GPU
 # generation (the Hopper parts reach a smaller share of their microbenchmark maximum in training than the Ampere ones:
 # a higher ceiling against the same kinds of memory-bound work and stalls, and a maximum measured in short bursts of a
@@ -123,7 +124,19 @@ TFLOPS = 1e12
 # absolute log error of throughput is least) and checked leave-one-source-out (each source predicted with the values
 # calibrated without it). It applies where the ceiling is a published measurement; the round 70% of a data-sheet peak
 # below already stands for a training rate.
-TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.75, "ampere": 0.85}
+TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.85, "ampere": 0.90}
+# [Note: attention kernels other than FlashAttention-2]
+# The attention points above are FlashAttention-2's (torch's SDPA flash kernel). A run on another kernel is charged at
+# that kernel's published speed relative to it, forward and backward together, weighted by the tracer's FLOPs
+# (backward 2.5 times forward). The FlashAttention-2 paper (Dao, arXiv 2307.08691, section 4.1, A100 80GB) measures
+# FlashAttention-2 "around 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in
+# the backward pass": the Triton kernel (flash-attn's ``flash_attn_triton.py``, which llm-foundry's
+# ``attn_impl: triton`` copies) takes (1.4 + 2.5 x 2) / 3.5 = 1.83 times as long, so runs at 0.547 of the rate. The
+# paper measures Ampere only; the same ratio is assumed on Hopper (neither kernel uses Hopper's wgmma instructions).
+ATTENTION_KERNEL_SPEED: dict[str, float] = {
+    "flash-attention-2": 1.0,
+    "flash-attention-triton": 3.5 / (1.4 + 2.5 * 2.0),
+}
 # NOTE: round factors applied to data-sheet peaks that have no measurement. Large transformer GEMMs reach 70-85% of
 # the dense tensor-core peak in cuBLAS; the smaller matmuls of a step (attention, narrow projections) less, so 0.7.
 MATMUL_EFFICIENCY_HALF = 0.7
@@ -329,14 +342,19 @@ class Hardware:
         network: Link | None = None,
         training_efficiency: float | None = None,
         memory_efficiency: float = MEMORY_EFFICIENCY,
+        attention_kernel: str = "flash-attention-2",
     ) -> HardwareFigures:
         """Rates and collective fits of ``world_size`` of these GPUs training at ``precision``, on ``nodes`` nodes
         (default: as few as hold them) joined by ``network`` (default: the entry's own, ``inter``); matmuls and
         attention at ``training_efficiency`` of their published ceilings (default: the generation's
-        :data:`TRAINING_MATMUL_EFFICIENCY`; see [Note: a training step is not a microbenchmark]), and memory-bound
-        operators at ``memory_efficiency`` of the DRAM bandwidth."""
+        :data:`TRAINING_MATMUL_EFFICIENCY`; see [Note: a training step is not a microbenchmark]), attention on
+        ``attention_kernel`` (:data:`ATTENTION_KERNEL_SPEED`), and memory-bound operators at ``memory_efficiency`` of
+        the DRAM bandwidth."""
         if training_efficiency is None:
             training_efficiency = TRAINING_MATMUL_EFFICIENCY[self.generation]
+        if attention_kernel not in ATTENTION_KERNEL_SPEED:
+            raise CLIError(f"unknown attention kernel {attention_kernel!r}; known: {', '.join(ATTENTION_KERNEL_SPEED)}")
+        kernel_speed = ATTENTION_KERNEL_SPEED[attention_kernel]
         for name, value in (("training_efficiency", training_efficiency), ("memory_efficiency", memory_efficiency)):
             if not 0.0 < value <= 1.0:
                 raise CLIError(f"{name} must be in (0, 1], got {value}")
@@ -361,9 +379,10 @@ class Hardware:
         half = precision.startswith(("bf16", "16"))
         if half and self.achieved_half_flops:
             flops = self.achieved_half_flops * training_efficiency
-            attention = tuple((c, d, n, r * training_efficiency) for c, d, n, r in self.attention)
+            attention = tuple((c, d, n, r * training_efficiency * kernel_speed) for c, d, n, r in self.attention)
         elif half:
-            flops, attention = self.half_flops * MATMUL_EFFICIENCY_HALF, self.attention
+            flops = self.half_flops * MATMUL_EFFICIENCY_HALF
+            attention = tuple((c, d, n, r * kernel_speed) for c, d, n, r in self.attention)
         else:
             flops, attention = self.fp32_flops * MATMUL_EFFICIENCY_FP32, ()
         bandwidth = self.memory_bytes_per_second * memory_efficiency
@@ -394,6 +413,7 @@ class Hardware:
             matmul_note = f"matmuls up to {flops / TFLOPS:,.1f} TFLOPS ({MATMUL_EFFICIENCY_FP32:.0%} of the FP32 peak)"
         notes = [
             f"{matmul_note} on the roofline of their bytes at {bandwidth / GB:,.0f} GB/s; attention "
+            + (f"on {attention_kernel} ({kernel_speed:.3f} of FlashAttention-2's rate) " if kernel_speed != 1 else "")
             + (
                 f"at FlashAttention-2's published rates{' times the same share' if self.achieved_half_flops else ''} "
                 f"({_attention_summary(attention)})"

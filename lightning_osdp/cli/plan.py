@@ -47,7 +47,7 @@ from lightning_osdp.cli.model import (
 )
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
-from lightning_osdp.cli.reserved_memory import plan_memory_line
+from lightning_osdp.cli.reserved_memory import DeviceMemory, plan_device_memory, plan_memory_line
 from lightning_osdp.cost_model import Prediction, predict
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan, Recomputation
@@ -127,6 +127,22 @@ class DryRun:
     def planned_budget(self) -> int:
         """The budget every row is judged against: ``budget`` less the planner's headroom (as the strategy plans)."""
         return planned_budget(self.budget, self.planner.memory_headroom)
+
+    @property
+    def card_bytes(self) -> int | None:
+        """The GPU's memory, against which a row's device total is judged (``None``: not a GPU, or not known)."""
+        return self.figures.memory_bytes if self.figures.device.startswith("cuda") else None
+
+    def device_memory(self, row: StrategyFigures) -> DeviceMemory | None:
+        """``row``'s device memory on the GPU (reserved peak, NCCL's buffers, the CUDA context; ``None``: no card)."""
+        return None if self.card_bytes is None else plan_device_memory(row.prediction, row.plan, self.topology)
+
+    def fits(self, row: StrategyFigures) -> bool:
+        """Whether ``row`` fits: its allocated peak within the budget less the headroom, and on a GPU its device
+        total within the card (``cli/reserved_memory.py``)."""
+        memory = self.device_memory(row)
+        card = self.card_bytes
+        return row.prediction.peak_bytes <= self.planned_budget and (memory is None or memory.fits(card or 0))
 
 
 @dataclass
@@ -473,7 +489,8 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
     none = ["-"] * len(_rates(run, 1, None))
     for row in rows:
         p = row.prediction
-        fits = p.peak_bytes <= run.planned_budget
+        fits = run.fits(row)
+        memory = run.device_memory(row)
         # A baseline's name says how its blocks recompute (+AC, +SAC); its modes column, the one mode of its units.
         modes = row.plan.counts() if row.name == "OSDP" else f"all {row.plan.decisions[''].mode}"
         if row.max_batch is None:
@@ -489,6 +506,7 @@ def _comparison_rows(run: DryRun, rows: Sequence[StrategyFigures]) -> list[list[
                 row.name,
                 modes,
                 format_bytes(p.peak_bytes),
+                *([format_bytes(memory.device_total)] if memory is not None else []),
                 "yes" if fits else "no",
                 f"{p.step_seconds * 1e3:,.1f}",
                 *(_rates(run, run.batch_size, p.step_seconds) if fits else none),
@@ -664,6 +682,7 @@ def _report(
         "strategy",
         "modes",
         "peak/device",
+        *(["device total"] if run.card_bytes is not None else []),
         "fits",
         "step ms",
         *_RATE_HEADERS[: len(_rates(run, 1, None))],
@@ -682,11 +701,20 @@ def _report(
         "no_shard, ZeRO-2 shard_grad_op, FSDP full_shard, HSDP hybrid_shard (sharded within a node, replicated "
         'across nodes); +AC: every block recomputed in backward (activation checkpointing, recompute="full"); +SAC: '
         'selectively (recompute="selective"; AC and SAC as in the plan table).',
-        "modes: the plan's units by mode; peak/device: the predicted peak of allocated memory; fits: whether it fits "
-        f"the budget less the planner's headroom ({format_bytes(run.planned_budget)}); step ms: the predicted step; "
-        f"samples/s: over all {run.world_size} ranks (- where it does not fit); {tokens}",
+        "modes: the plan's units by mode; peak/device: the predicted peak of allocated memory; "
+        + (
+            "device total: with the caching allocator's fragmentation, NCCL's buffers and the CUDA context "
+            "(lightning_osdp/cli/reserved_memory.py); fits: whether the allocated peak fits the budget less the "
+            f"planner's headroom ({format_bytes(run.planned_budget)}) and the device total the card's "
+            f"{format_bytes(run.card_bytes)}; "
+            if run.card_bytes is not None
+            else f"fits: whether it fits the budget less the planner's headroom ({format_bytes(run.planned_budget)}); "
+        )
+        + f"step ms: the predicted step; samples/s: over all {run.world_size} ranks (- where it does not fit); "
+        + tokens,
         (
-            "max batch: the largest per-device batch whose predicted peak fits (OSDP re-planned at each size), and "
+            "max batch: the largest per-device batch whose predicted allocated peak fits the budget less the "
+            "headroom (the planner's test; OSDP re-planned at each size), and "
             "@max the figures at it; all figures are affine in the batch size, profiled at "
             f"{scaled.low_batch} and {scaled.high_batch} and interpolated."
             if searched
