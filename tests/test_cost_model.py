@@ -108,6 +108,23 @@ def test_step_time_by_hand():
     assert ddp.step_seconds == pytest.approx(8e-3 + all_reduce + 60 / 1e6 + 6e-3)
 
 
+def test_a_step_of_two_backward_passes_all_reduces_ddp_buckets_in_each():
+    from lightning_osdp.profiling.model_profile import StepCalls
+
+    # The figures of test_step_time_by_hand, as a manually optimized step with two backward passes (a GAN's).
+    one, two = (dataclasses.replace(one_linear(), step_calls=StepCalls(backwards=n)) for n in (1, 2))
+    plan = Plan({"": "no_shard", "a": "no_shard"})
+    all_reduce, bucket_copy = 60 / 2e6 + (5e-4 + 5e-4), 60 / 1e6
+    difference = predict(two, plan, config=CONFIG).step_seconds - predict(one, plan, config=CONFIG).step_seconds
+    assert difference == pytest.approx(all_reduce + bucket_copy)
+    # A sharded unit's reduction is counted once: FSDP2 reduces after a pass what got gradients in it, and under
+    # toggle_optimizer (Lightning's GAN recipe) each unit gets them in one pass.
+    sharded = Plan({"": "no_shard", "a": "full_shard"})
+    assert predict(two, sharded, config=CONFIG).step_seconds == pytest.approx(
+        predict(one, sharded, config=CONFIG).step_seconds
+    )
+
+
 def test_accumulated_micro_batches_repeat_compute_gathers_and_hooks_but_not_reductions_or_the_optimizer():
     # Two micro-batches per optimizer step (timeline.py [Note: gradient accumulation]); the figures of
     # test_step_time_by_hand.

@@ -556,6 +556,8 @@ def test_a_manually_optimized_training_step_is_profiled_with_its_own_optimizers(
     # The discriminator runs three times (twice in its own step), each call's activations counted.
     assert result.modules["discriminator.0"].activation_bytes > result.modules["generator.0"].activation_bytes
     assert model.losses == []  # the user's module ran nothing
+    # Two backward passes (the generator's, the discriminator's): DDP all-reduces in each.
+    assert result.step_calls is not None and result.step_calls.backwards == 2
 
 
 class _Compiled(nn.Module):

@@ -89,6 +89,8 @@ class ModelInfo:
         #: Micro-batches per optimizer step: each runs every module's forward and backward, and so its time (see
         #: ``timeline.py`` [Note: gradient accumulation]).
         self.micro_batches = max(profile.gradient_accumulation, 1)
+        #: Backward passes per micro-batch (a manually optimized GAN's: 2): DDP all-reduces its buckets in each.
+        self.backward_passes = max(profile.step_calls.backwards, 1) if profile.step_calls is not None else 1
         self.modules = _repeated(profile.modules, self.micro_batches)
         ran: dict[str, int] = {}
         for i, name in enumerate(profile.forward_order):
@@ -412,13 +414,16 @@ def unit_time(
         # share of it its bytes fill. A model whose gradients fill less than a bucket still all-reduces once per
         # step: its bucket is what it has (``ModelInfo.ddp_bucket_bytes``), so that replicating it whole pays one
         # call. Autograd's gradients are copied into the buckets; the parameters are plain tensors (no DTensor
-        # dispatch in the optimizer, no FSDP2 hooks).
+        # dispatch in the optimizer, no FSDP2 hooks). A step of several backward passes (manual optimization)
+        # all-reduces in each: with ``find_unused_parameters`` (which such steps need) the reducer marks what a pass
+        # does not reach ready with zero gradients, so every pass reduces every bucket.
         comm = 0.0
+        passes = info.backward_passes
         if b.trainable and ws > 1:
             fit_bytes = net.seconds("all_reduce", b.bucket, topo.world)
             alpha = net.fit("all_reduce", topo.world).alpha_seconds
-            comm = fit_bytes - alpha + (alpha + sync) * b.bucket / info.ddp_bucket_bytes
-        copies = b.bucket / copy
+            comm = passes * (fit_bytes - alpha + (alpha + sync) * b.bucket / info.ddp_bucket_bytes)
+        copies = passes * b.bucket / copy
         hidden = min(comm, cfg.overlap * compute)
         return UnitTime(
             communication=comm,

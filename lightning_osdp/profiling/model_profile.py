@@ -180,11 +180,14 @@ class StepCalls:
         logged: values logged (``self.log`` calls, and each entry of ``self.log_dict``).
         synced: of those, the ones logged with ``sync_dist=True`` (an all-reduce each).
         gathered: tensors gathered by ``self.all_gather`` (an all-gather each).
+        backwards: backward passes per micro-batch: 1 under automatic optimization, the ``manual_backward`` calls
+            under manual optimization (a GAN's generator and discriminator: 2). DDP all-reduces its buckets in each.
     """
 
     logged: int = 0
     synced: int = 0
     gathered: int = 0
+    backwards: int = 1
 
 
 @dataclass

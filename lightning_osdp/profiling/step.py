@@ -45,6 +45,7 @@ too large to measure.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -246,6 +247,7 @@ class StepRunner:
             return _one_or_list(schedulers) if schedulers else None
 
         def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
+            self.calls = dataclasses.replace(self.calls, backwards=self.calls.backwards + 1)
             backward(loss, *args, **kwargs)
 
         def toggle_optimizer(optimizer: Any) -> None:
@@ -327,10 +329,13 @@ class StepRunner:
 
     def _count(self, logged: int = 0, synced: int = 0, gathered: int = 0) -> None:
         calls = self.calls
-        self.calls = StepCalls(calls.logged + logged, calls.synced + synced, calls.gathered + gathered)
+        self.calls = dataclasses.replace(
+            calls, logged=calls.logged + logged, synced=calls.synced + synced, gathered=calls.gathered + gathered
+        )
 
     def _loss(self) -> Tensor | None:
-        self.calls = StepCalls()  # this step's (the profiler runs the step several times)
+        # This step's (the profiler runs the step several times); a manual step counts its own backward passes.
+        self.calls = StepCalls(backwards=0 if self.manual else 1)
         if self.training_step:
             output = self.output = self.module.training_step(self.batch, 0)  # type: ignore[operator]
             if self.manual:
