@@ -19,8 +19,12 @@ added seconds (exposed communication, copies, optimizer, overhead) are precomput
 (``max(0, communication - overlap * its compute)``), so the objective is linear.
 
 [Note: solving]
-The LP relaxation is solved first (integrality dropped): it is a lower bound, and in practice only a few choices
-come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan that fits;
+A model with runs of identical blocks is first solved by counting them (``runs.py``'s [Note: count and arrange]): a
+master problem over how many blocks of each run take each option, a relaxation whose dual bound is a lower bound,
+and an arrangement of its counts checked on every row, which is then a plan with the master's step time. When that
+proves the gap, the solve ends there; otherwise its plan and bound stay with the incumbent, and the general path
+follows. The LP relaxation is solved first (integrality dropped): it is a lower bound, and in practice only a few
+choices come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan that fits;
 when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise three
 phases follow, each stopping the solve once the gap is proved ([Note: the order of the phases] says in which order
 and why): a small branch and bound over the fractional choices and a spread of others (the rest fixed) looks for
@@ -122,7 +126,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -167,6 +171,7 @@ from lightning_osdp.solver.candidates import (
     segment_options,
 )
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
+from lightning_osdp.solver.runs import arrangements, count_rows, find_runs, formulate_master
 from lightning_osdp.topology import Topology
 
 __all__ = [
@@ -590,6 +595,7 @@ class PlanningProblem:
                 items.append(item)
             spec = dataclasses.replace(spec, items=items)
         be = LinearBackend()
+        be.source = spec
         for g in spec.globals:
             be.register(g.key, list(g.options))
         for item in spec.items:
@@ -670,6 +676,10 @@ class PlanningProblem:
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started, time_limit=time_limit)
         if settle_at is not None and budget is None:
             incumbent.settle_at = _rhs(settle_at)
+        if self._count_and_arrange(be, incumbent) == "infeasible":
+            return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan, "count master")
+        if incumbent.within_gap():
+            return incumbent.result("settled")
         f = _Formulation(*formulated, be=be)
         if self._relax(f, incumbent) == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
@@ -689,6 +699,47 @@ class PlanningProblem:
             if incumbent.within_gap():
                 return incumbent.result("settled")
         return self._branch_and_bound(f, incumbent)
+
+    def _count_and_arrange(self, be: LinearBackend, incumbent: Incumbent) -> str | None:
+        """Runs of identical blocks counted, then arranged (see ``runs.py``'s [Note: count and arrange]): the master
+        problem's dual bound is raised, an arrangement that fits every row offered, and when none does the ends held
+        as binaries double, until the plan is proved or the master is the whole ILP. Returns ``"infeasible"`` when
+        the master (a relaxation) proves no plan fits, else ``None``."""
+        runs = find_runs(be.source)
+        if not runs:
+            return None
+        cb = count_rows(be.source, be.options, runs)
+        # Past _ENDS blocks at the end, the master's binaries cost more than the general path's phases that follow.
+        head, tail = 1, 2
+        while not incumbent.clock.expired():
+            master = formulate_master(cb, runs, incumbent.rhs, head, tail)
+            try:
+                _, result = _run_mip(
+                    master.prob, dict, gap=incumbent.gap / 2, clock=incumbent.clock, nodes=_NODES["master"]
+                )
+            except SolverError:
+                return None
+            if result.status == "infeasible":
+                return "infeasible"
+            if result.lower is not None:
+                incumbent.raise_bound(result.lower, "count master")
+            chosen, counts = master.read(cb, runs)
+            orders = [arrangements(run, counts[r]) for r, run in enumerate(runs)]
+
+            def place(
+                r: int, order: list[Hashable], plan: dict[Hashable, Hashable], inside: list[range] = master.interiors
+            ) -> dict[Hashable, Hashable]:
+                return {**plan, **dict(zip((runs[r].keys[p] for p in inside[r]), order, strict=True))}
+
+            for r in range(len(runs)):
+                chosen = place(r, orders[r][0], chosen)
+            for r in range(len(runs)):  # the step time is the counts': the order of smallest peak, run by run
+                chosen = min((place(r, order, chosen) for order in orders[r]), key=lambda c: incumbent.score(c)[0])
+            incumbent.offer(chosen)
+            if incumbent.within_gap() or not any(master.interiors) or not master.dropped or tail >= _ENDS:
+                return None
+            head, tail = 2 * head, 2 * tail
+        return None
 
     def _relax(self, f: _Formulation, incumbent: Incumbent) -> str:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
@@ -750,8 +801,7 @@ class PlanningProblem:
         try:
             _, result = _run_mip(
                 f.prob,
-                be,
-                xs,
+                functools.partial(_chosen, be, xs),
                 gap=incumbent.gap / 4,
                 clock=incumbent.clock,
                 nodes=_NODES["counts"],
@@ -780,7 +830,12 @@ class PlanningProblem:
             n.lowBound = n.upBound = round(n.value() or 0.0)
         try:
             return _run_mip(
-                f.prob, f.be, f.xs, gap=incumbent.gap / 4, clock=incumbent.clock, nodes=_NODES["placement"], light=True
+                f.prob,
+                functools.partial(_chosen, f.be, f.xs),
+                gap=incumbent.gap / 4,
+                clock=incumbent.clock,
+                nodes=_NODES["placement"],
+                light=True,
             )[0]
         except SolverError:
             return None
@@ -811,7 +866,13 @@ class PlanningProblem:
                 fixed.append(x)
         try:
             incumbent.offer(
-                _run_mip(f.prob, be, xs, gap=incumbent.gap / 4, clock=incumbent.clock, nodes=_NODES["neighbourhood"])[0]
+                _run_mip(
+                    f.prob,
+                    functools.partial(_chosen, be, xs),
+                    gap=incumbent.gap / 4,
+                    clock=incumbent.clock,
+                    nodes=_NODES["neighbourhood"],
+                )[0]
             )
         except SolverError:
             pass
@@ -849,8 +910,7 @@ class PlanningProblem:
         better than it by more than the gap are searched); raises :class:`SolverError` when it finds no plan."""
         return _run_mip(
             f.prob,
-            f.be,
-            f.xs,
+            functools.partial(_chosen, f.be, f.xs),
             gap=incumbent.gap,
             clock=incumbent.clock,
             nodes=nodes,
@@ -1030,12 +1090,16 @@ def _prune(costs: Mapping[K, SegmentCosts], *, time: bool = True) -> list[K]:
 #: quickly, and presolve and primal heuristics cost more than the search.
 _LIGHT: dict[str, Any] = {"presolve": "off", "mip_heuristic_effort": 0.0}
 
+#: The most blocks at the end of a run the count master holds as binaries before the general path takes over (see
+#: ``runs.py``'s [Note: count and arrange]).
+_ENDS = 4
+
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
 
 #: The work limit of each phase's branch and bound, in HiGHS's nodes (``mip_max_nodes``): what stops the search, where
 #: the gap does not, on every machine alike (see [Note: work limits]).
-_NODES: dict[str, int] = {"neighbourhood": 100, "probe": 1, "counts": 50, "placement": 5, "last": 50}
+_NODES: dict[str, int] = {"master": 2000, "neighbourhood": 100, "probe": 1, "counts": 50, "placement": 5, "last": 50}
 
 #: The safety net of a whole solve, in time limits (of one run each; see [Note: work limits]).
 _RUNS = 3
@@ -1127,8 +1191,7 @@ class _HiGHS(pulp.HiGHS):
 
 def _run_mip(
     prob: pulp.LpProblem,
-    be: LinearBackend,
-    xs: list[pulp.LpVariable],
+    read: Callable[[], dict[Hashable, Hashable]],
     *,
     gap: float,
     clock: _Clock,
@@ -1190,9 +1253,7 @@ def _run_mip(
         # HiGHS's dual bound is of the plans under the cutoff only: those at or above it it never looked at, and
         # its bound can exceed the cutoff (and the incumbent). Every plan is at least the smaller of the two.
         bound = min(bound, float(cutoff))
-    return _chosen(be, xs), SolveResult(
-        status, achieved, elapsed, value, lower=bound, complete=complete, stopped=stopped
-    )
+    return read(), SolveResult(status, achieved, elapsed, value, lower=bound, complete=complete, stopped=stopped)
 
 
 def _footprint(c: SegmentCosts) -> int:
@@ -1310,7 +1371,8 @@ def solve(
         a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds
         ``status`` (``"optimal"``, ``"within gap X"``, ``"work limit"`` or ``"time limit"``, the last two with the gap
         the lower bound proves when a plan is in hand), ``bound`` (what proves it: ``"LP relaxation"``, ``"count
-        relaxation"``, ``"branch and bound"`` or ``"exact check"``), the predicted peak and step time, the budget and
+        relaxation"``, ``"count master"``, ``"branch and bound"``
+        or ``"exact check"``), the predicted peak and step time, the budget and
         the world size; ``plan.info`` holds the same figures under their historical names.
 
     Raises:
