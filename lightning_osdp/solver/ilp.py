@@ -640,9 +640,10 @@ class PlanningProblem:
         if incumbent.within_gap():
             return incumbent.result("settled")
         f = _Formulation(*formulated, be=be)
-        if self._relax(f, incumbent) == "infeasible":
+        relaxed = self._relax(f, incumbent)
+        if relaxed == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
-        if incumbent.lower is not None:
+        if relaxed == "optimal":
             fractional = self._round_relaxation(f, incumbent)
             # The order of the phases between rounding and the last: see [Note: solving].
             neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional)
@@ -716,7 +717,7 @@ class PlanningProblem:
             return "infeasible"
         if status != highspy.HighsModelStatus.kOptimal:
             return "stopped"
-        incumbent.lower = float(f.prob.solverModel.getInfo().objective_function_value)
+        incumbent.raise_bound(float(f.prob.solverModel.getInfo().objective_function_value), "LP relaxation")
         return "optimal"
 
     def _round_relaxation(self, f: _Formulation, incumbent: Incumbent) -> dict[Hashable, list[Hashable]]:
