@@ -13,9 +13,11 @@ structure is read off the rows themselves, not assumed.
 The *master* keeps the first ``head`` and last ``tail`` blocks of each run as binaries (like every other choice)
 and the blocks between them, the *interior*, as one integer count per option. A row whose coefficient vector is the
 same over the whole interior (the instants outside the interior: every global instant, the blocks at the ends) is a
-linear function of the counts and is kept exactly; a row anchored inside the interior (its coefficients change
-there) is dropped. The optimizer step's maximum of temporaries takes, per interior option, a binary "used" that the
-option's count forces. Every plan of the ILP is a point of the master with the same step time, so the master is a
+linear function of the counts and is kept exactly. A row anchored inside the interior (its coefficients change
+there) singles out a few positions: up to :data:`_LOCAL` of them, each is bounded by the least any option adds there
+(beyond the interior's common vector), a weaker row that every plan still meets; a row singling out more is
+dropped. The optimizer step's maximum of temporaries takes, per interior option, a binary "used" that the option's
+count forces. Every plan of the ILP is a point of the master with the same step time, so the master is a
 relaxation of the ILP: its dual bound is a lower bound of the optimum (``"count master"``).
 
 Its counts are then *arranged*: the interior blocks are ordered, each candidate order evaluated on the ILP's own
@@ -27,10 +29,13 @@ double (``head``, ``tail``) and the master is solved again, so that every round 
 master tighter, and once the ends meet the master *is* the ILP. Nothing is proved of an arrangement that was not
 found: the answer is always a plan checked on every row, and a bound of a relaxation.
 
-Why not a dynamic programme over the arrangements: its states are the count vectors of a prefix, the product of the
-counts' ranges, and at 1,997 planning units (500 blocks, three or four options used) that is millions of states; the
-rows that the arrangement can break are those near the ends of a run, where the level before an instant is nearly
-the whole run's (forward nets are never negative), and those the growing ends take into the master exactly.
+Why not a dynamic programme over the arrangements, which would prove that no order fits: its states are the count
+vectors of a prefix, the product of the counts' ranges, and at 1,997 planning units (500 blocks, three or four
+options used) that is millions of states; and a "no" would still need a cut excluding those counts, one count vector
+at a time. The rows an arrangement breaks are those near the end of a run, where the level before an instant is
+nearly the whole run's (forward nets are never negative), and those the growing ends take into the master exactly.
+Where that does not close the gap (a budget so tight that the blocks which keep nothing in forward fill the run's end
+and every instant there binds), the general path takes over with the master's bound.
 """
 
 from __future__ import annotations
