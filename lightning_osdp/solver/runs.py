@@ -23,11 +23,13 @@ relaxation of the ILP: its dual bound is a lower bound of the optimum (``"count 
 Its counts are then *arranged*: the interior blocks are ordered, each candidate order evaluated on the ILP's own
 rows (:meth:`~lightning_osdp.solver.linear.LinearBackend.peak`). The orders tried put the blocks whose forward keeps
 least first (the level before every later instant is then the smallest the counts allow) and those whose backward
-frees most last, and the reverse ties; an order that fits is a plan of the ILP with the master's step time, so it is
-proved by the master's bound. When none fits, the rows dropped are what the counts broke: the ends kept as binaries
-double (``head``, ``tail``) and the master is solved again, so that every round either proves the plan or makes the
-master tighter, and once the ends meet the master *is* the ILP. Nothing is proved of an arrangement that was not
-found: the answer is always a plan checked on every row, and a bound of a relaxation.
+frees most last, the reverse ties, and each option's blocks all at the end or all at the start; an order that fits
+is a plan of the ILP with the master's step time, so it is proved by the master's bound. When none fits, the rows
+dropped are what the counts broke: the ends kept as binaries double (``head``, ``tail``) and the master is solved
+again, so that every round either proves the plan or makes the master tighter (once the ends meet, the master *is*
+the ILP). Past a few rounds (``ilp._ENDS``) the general path takes over with the master's bound, and repairs its last
+arrangement first. Nothing is proved of an arrangement that was not found: the answer is always a plan checked on
+every row, and a bound of a relaxation.
 
 Why not a dynamic programme over the arrangements, which would prove that no order fits: its states are the count
 vectors of a prefix, the product of the counts' ranges, and at 1,997 planning units (500 blocks, three or four
@@ -393,4 +395,11 @@ def arrangements(run: Run, counts: Mapping[int, int]) -> list[list[Hashable]]:
         order = [run.options[i] for i in sorted(counts, key=key) for _ in range(counts[i])]
         if order not in out:
             out.append(order)
+    # Each option's blocks all at the end, and all at the start, the rest in the first order.
+    first = sorted(counts, key=keys[0])
+    for i in first:
+        rest = [run.options[j] for j in first if j != i for _ in range(counts[j])]
+        for order in (rest + [run.options[i]] * counts[i], [run.options[i]] * counts[i] + rest):
+            if order not in out:
+                out.append(order)
     return out
