@@ -32,9 +32,9 @@ arrangement broke a row, the neighbourhood below repairs it first, its blocks ne
 rest held to it, whatever rounding proved: the master's counts are a few blocks from the faster plan, and rounding's
 plan, within the gap of the master's tight bound, was slower than the plans the solver returned before the master
 (0.01-0.06% on the 1,997-unit benchmark problem). Then, each stopping once the gap is proved: a small branch and
-bound over the fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses (the *neighbourhood*, on deep models only: on a shallow one it would free every choice); a
-short run of HiGHS's branch and bound on the whole problem with the incumbent as its cutoff, whose cuts often prove
-the gap at the root (the *probe*; not when the peak is minimised); and HiGHS's branch and bound on the whole problem
+bound over the fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses
+(the *neighbourhood*, on deep models only: on a shallow one it would free every choice); a short run of HiGHS's
+branch and bound on the whole problem with the incumbent as its cutoff, whose cuts often prove the gap at the root (the *probe*; not when the peak is minimised); and HiGHS's branch and bound on the whole problem
 with ``gapRel`` and a node limit, what it proves deciding between a proven optimum, a solution within the gap, a
 work-limit solution with the gap proved, infeasibility and failure. Every search stops on work, not on seconds:
 [Note: work limits].
