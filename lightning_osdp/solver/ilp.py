@@ -748,7 +748,8 @@ class PlanningProblem:
         if not incumbent.offer(rounded) or incumbent.settled():
             return fractional
         for key in fractional:
-            for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
+            added = f.be.objective.terms  # each option's added milliseconds
+            for o in sorted(fractional[key], key=lambda o: added.get(f.be.binaries[(key, o)], 0.0)):
                 current = incumbent.chosen
                 assert current is not None  # the rounded plan, or a better one
                 if o == current[key]:
@@ -891,15 +892,6 @@ class PlanningProblem:
             if len(support) > 1:
                 fractional[key] = support
         return chosen, fractional
-
-    def _seconds(self, key: Hashable, option: Hashable) -> float:
-        for g in self.spec.globals:
-            if g.key == key:
-                return g.options[option].time.added
-        for item in self.spec.items:
-            if isinstance(item, SegmentChoice) and item.key == key:
-                return item.options[option].seconds
-        raise KeyError(key)
 
     def plan(self, chosen: dict[Hashable, Hashable]) -> Plan:
         """The plan of a chosen option per choice."""
