@@ -68,7 +68,8 @@ Piece = tuple[int, int, np.ndarray]  # positions [start, end] of a run, and the 
 
 @dataclass(frozen=True)
 class Run:
-    """Identical segments next to each other: their keys in forward order, their options, and the segment costs."""
+    """Identical segments next to each other: their keys in forward order, their options, and per option the level
+    change over the segment's forward and over its backward (MiB), which the orders tried sort by."""
 
     keys: tuple[Hashable, ...]
     options: tuple[Hashable, ...]
