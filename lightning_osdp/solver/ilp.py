@@ -33,13 +33,14 @@ rounding proved: the master's counts are a few blocks from the faster plan, and 
 master's tight bound, was slower than the plans the solver returned before the master (0.01-0.06% on the 1,997-unit
 benchmark problem). Then, each stopping once the gap is proved: a small branch and bound over the fractional choices and
 a spread of others (the rest fixed) looks for the swaps rounding misses (the *neighbourhood*, on deep models only: on a
-shallow one it would free every choice); a short run of HiGHS's branch and bound on the whole problem with the incumbent
-as its cutoff, whose cuts often prove the gap at the root (the *probe*; not when the peak is minimised); and HiGHS's
-branch and bound on the whole problem with ``gapRel`` and a node limit, what it proves deciding between a proven
-optimum, a solution within the gap, a work-limit solution with the gap proved, infeasibility and failure. Every search
-stops on work, not on seconds: [Note: work limits].
+shallow one it would free every choice); and HiGHS's branch and bound on the whole problem with the incumbent as its
+cutoff, ``gapRel`` and a node limit, what it proves deciding between a proven optimum, a solution within the gap, a
+work-limit solution with the gap proved, infeasibility and failure. (A *probe*, that last run cut short at its root,
+came before the count relaxation: with the count master's bound it changed no plan or status of
+``benchmarks/solver_speed.py`` and cost 3-5 s at its tight budgets, and it went.) Every search stops on work, not on
+seconds: [Note: work limits].
 
-Each phase (``_count_and_arrange``, ``_relax`` and ``_round_relaxation``, ``_search_neighbourhood``, ``_probe``,
+Each phase (``_count_and_arrange``, ``_relax`` and ``_round_relaxation``, ``_search_neighbourhood``,
 ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces the one held only if it fits and
 is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the incumbent says when the plan held is
 within the gap (the solve then stops) and what proves it.
@@ -65,7 +66,7 @@ The plan is a function of the problem (profile, budget, options) alone: the same
 any machine. Until 0.1.x every phase stopped on wall-clock seconds (a quarter, a tenth, the rest of ``time_limit``),
 so a loaded machine searched less and could return another plan and status (6,835.715 against 6,814.459 ms on the
 297-unit benchmark problem). Now each HiGHS branch and bound stops on a number of nodes (``mip_max_nodes``, per
-phase in :data:`_NODES`: the count master 2,000, the neighbourhood 100, the probe 1 (its root), the last phase 50);
+phase in :data:`_NODES`: the count master 2,000, the neighbourhood 100, the last phase 50);
 HiGHS is deterministic for a given model and options (its ``random_seed`` is fixed at
 its default, its parallel tasks do not change its path), and the LP relaxation runs to its optimum. HiGHS ends a
 node-limited run with ``kSolutionLimit``, which pulp does not map (``_HiGHS.findSolutionValues``); the run is then
@@ -649,20 +650,15 @@ class PlanningProblem:
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
         if relaxed == "optimal":
             fractional = self._round_relaxation(f, incumbent)
-            # The order of the phases between rounding and the last: see [Note: solving].
-            neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional)
-            probe = functools.partial(self._probe, f, incumbent)
-            phases = [neighbourhood] if incumbent.minimises_peak else [neighbourhood, probe]
             if isinstance(counted, tuple):
                 # The master's counts, arranged, broke a row near the end of a run: repaired there, whatever rounding
                 # proved (the master's counts are the faster plan, when they are a few blocks from one).
                 self._search_neighbourhood(f, incumbent, {}, *counted)
-            for phase in phases:
-                if incumbent.within_gap():
-                    return incumbent.result("settled")
-                if incumbent.clock.expired() and incumbent.chosen is not None:
-                    return incumbent.result("time limit")
-                phase()
+            if incumbent.within_gap():
+                return incumbent.result("settled")
+            if incumbent.clock.expired() and incumbent.chosen is not None:
+                return incumbent.result("time limit")
+            self._search_neighbourhood(f, incumbent, fractional)
             if incumbent.within_gap():
                 return incumbent.result("settled")
         return self._branch_and_bound(f, incumbent)
@@ -802,16 +798,6 @@ class PlanningProblem:
         finally:
             for x in fixed:
                 x.lowBound, x.upBound = 0, 1
-
-    def _probe(self, f: _Formulation, incumbent: Incumbent) -> None:
-        """The last phase's branch and bound cut short (``_NODES["probe"]``): with the incumbent's cutoff, the
-        solver's own cuts often prove the gap at its root (see [Note: solving]). A plan it finds is offered, the bound
-        it proves raised."""
-        try:
-            chosen, result = self._whole_problem(f, incumbent, _NODES["probe"])
-        except SolverError:
-            return  # no plan better than the incumbent by the gap found within its nodes: the phases go on
-        self._settle_cutoff(incumbent, chosen, result)
 
     def _settle_cutoff(
         self, incumbent: Incumbent, chosen: dict[Hashable, Hashable] | None, result: SolveResult
@@ -1014,7 +1000,7 @@ _NEIGHBOURHOOD = 12
 
 #: The work limit of each phase's branch and bound, in HiGHS's nodes (``mip_max_nodes``): what stops the search, where
 #: the gap does not, on every machine alike (see [Note: work limits]).
-_NODES: dict[str, int] = {"master": 2000, "neighbourhood": 100, "probe": 1, "last": 50}
+_NODES: dict[str, int] = {"master": 2000, "neighbourhood": 100, "last": 50}
 
 #: The safety net of a whole solve, in time limits (of one run each; see [Note: work limits]).
 _RUNS = 3
