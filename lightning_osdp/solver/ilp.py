@@ -23,22 +23,21 @@ A model with runs of identical blocks is first solved by counting them (``runs.p
 master problem over how many blocks of each run take each option, a relaxation whose dual bound is a lower bound, and an
 arrangement of its counts checked on every row, which is then a plan with the master's step time. It replaced the *count
 relaxation* (the ILP with a run's binaries continuous and its counts integer, then those counts placed by a short branch
-and bound): the master's bound is at least as tight and comes in a tenth of the time, since the master has a few hundred
-variables where the ILP has thousands. When it proves the gap the solve ends there; otherwise its plan and bound stay
-with the incumbent and the general path follows, which is also the whole solve of a model without runs. The LP
-relaxation is solved (integrality dropped): a lower bound, with few fractional choices; each choice rounded to the most
-memory-frugal option the LP uses gives a plan that fits. When the master's last arrangement broke a row, the
-neighbourhood below repairs it first, its blocks near the ends of each run free and the rest held to it, whatever
-rounding proved: the master's counts are a few blocks from the faster plan, and rounding's plan, within the gap of the
-master's tight bound, was slower than the plans the solver returned before the master (0.01-0.06% on the 1,997-unit
-benchmark problem). Then, each stopping once the gap is proved: a small branch and bound over the fractional choices and
-a spread of others (the rest fixed) looks for the swaps rounding misses (the *neighbourhood*, on deep models only: on a
-shallow one it would free every choice); and HiGHS's branch and bound on the whole problem with the incumbent as its
-cutoff, ``gapRel`` and a node limit, what it proves deciding between a proven optimum, a solution within the gap, a
-work-limit solution with the gap proved, infeasibility and failure. (A *probe*, that last run cut short at its root,
-came before the count relaxation: with the count master's bound it changed no plan or status of
-``benchmarks/solver_speed.py`` and cost 3-5 s at its tight budgets, and it went.) Every search stops on work, not on
-seconds: [Note: work limits].
+and bound): the master's bound is at least as tight and comes sooner, since the master has a few hundred variables where
+the ILP has thousands. When it proves the gap the solve ends there; otherwise its plan and bound stay with the incumbent
+and the general path follows, which is also the whole solve of a model without runs. The LP relaxation is solved
+(integrality dropped): a lower bound, with few fractional choices; each choice rounded to the most memory-frugal option
+the LP uses gives a plan that fits. When the master's last arrangement broke a row, the neighbourhood below repairs it
+first, its blocks near the ends of each run free and the rest held to it, whatever rounding proved: the master's counts
+are a few blocks from the faster plan, and rounding's plan, within the gap of the master's tight bound, was slower than
+the plans the solver returned before the master. Then, each stopping once the gap is proved: a small branch and bound
+over the fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses (the
+*neighbourhood*, on deep models only: on a shallow one it would free every choice); and HiGHS's branch and bound on the
+whole problem with the incumbent as its cutoff, ``gapRel`` and a node limit, what it proves deciding between a proven
+optimum, a solution within the gap, a work-limit solution with the gap proved, infeasibility and failure. (A *probe*,
+that last run cut short at its root, came before the count relaxation; with the count master's bound it changed no plan
+of ``benchmarks/solver_speed.py``, only cost time, and it went. The figures are in ``docs/benchmarks.md``, "Planning
+speed".) Every search stops on work, not on seconds: [Note: work limits].
 
 Each phase (``_count_and_arrange``, ``_relax`` and ``_round_relaxation``, ``_search_neighbourhood``,
 ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces the one held only if it fits and
