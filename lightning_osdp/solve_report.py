@@ -114,8 +114,8 @@ class SolveReport:
         status: ``"optimal"``, ``"within gap X"``, ``"work limit"`` (the solver's node limits ended the search) or
             ``"time limit"`` (its wall-clock safety net did), the last two with the gap the lower bound proves, when a
             plan is in hand.
-        bound: what proves the status: ``"LP relaxation"``, ``"count relaxation"``, ``"branch and bound"`` or
-            ``"exact check"`` (``None``: a plan file from before it was recorded).
+        bound: what proves the status: ``"LP relaxation"``, ``"count relaxation"``, ``"count master"``, ``"branch and
+            bound"`` or ``"exact check"`` (``None``: a plan file from before it was recorded).
         gap: the relative optimality gap the solver was given.
         budget_bytes: the per-device memory budget the plan was solved for.
         world_size: ranks it was solved for.

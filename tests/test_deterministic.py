@@ -18,7 +18,7 @@ from lightning_osdp.solver import PlanningProblem, ilp, minimum_budget, solve
 from synthetic import gpt_profile
 
 #: Node limits small enough that the problem below stops on them (not on its gap) in about a second.
-_SMALL = {"neighbourhood": 5, "probe": 1, "counts": 3, "placement": 1, "last": 5}
+_SMALL = {"master": 5, "neighbourhood": 5, "last": 5}
 
 
 @pytest.fixture

@@ -19,29 +19,37 @@ added seconds (exposed communication, copies, optimizer, overhead) are precomput
 (``max(0, communication - overlap * its compute)``), so the objective is linear.
 
 [Note: solving]
-The LP relaxation is solved first (integrality dropped): it is a lower bound, and in practice only a few choices
-come out fractional. Rounding each choice to the most memory-frugal option the LP uses gives a plan that fits;
-when its step time is within the relative ``gap`` of the bound it is returned at once. Otherwise three
-phases follow, each stopping the solve once the gap is proved ([Note: the order of the phases] says in which order
-and why): a small branch and bound over the fractional choices and a spread of others (the rest fixed) looks for
-the swaps rounding misses; a short run of HiGHS's branch and bound on the whole problem tries to prove the
-incumbent at once; the count relaxation below tightens the bound and may place a better plan. Failing them,
-HiGHS's branch and bound runs on the whole problem with ``gapRel`` and a node limit (the gap taken relative to the
-whole predicted step time, constant included); what it proves decides between a proven optimum, a solution within
-the gap, a work-limit solution with the gap proved, infeasibility (then the smallest feasible budget is computed and
-reported) and failure. Every search stops on work, not on seconds: [Note: work limits].
+A model with runs of identical blocks is first solved by counting them (``runs.py``'s [Note: count and arrange]): a
+master problem over how many blocks of each run take each option, a relaxation whose dual bound is a lower bound, and an
+arrangement of its counts checked on every row, which is then a plan with the master's step time. It replaced the *count
+relaxation* (the ILP with a run's binaries continuous and its counts integer, then those counts placed by a short branch
+and bound): the master's bound is at least as tight and comes sooner, since the master has a few hundred variables where
+the ILP has thousands. When it proves the gap the solve ends there; otherwise its plan and bound stay with the incumbent
+and the general path follows, which is also the whole solve of a model without runs. The LP relaxation is solved
+(integrality dropped): a lower bound, with few fractional choices; each choice rounded to the most memory-frugal option
+the LP uses gives a plan that fits. When the master's last arrangement broke a row, the neighbourhood below repairs it
+first, its blocks near the ends of each run free and the rest held to it, whatever rounding proved: the master's counts
+are a few blocks from the faster plan, and rounding's plan, within the gap of the master's tight bound, was slower than
+the plans the solver returned before the master. Then, each stopping once the gap is proved: a small branch and bound
+over the fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses (the
+*neighbourhood*, on deep models only: on a shallow one it would free every choice); and HiGHS's branch and bound on the
+whole problem with the incumbent as its cutoff, ``gapRel`` and a node limit, what it proves deciding between a proven
+optimum, a solution within the gap, a work-limit solution with the gap proved, infeasibility and failure. (A *probe*,
+that last run cut short at its root, came before the count relaxation; with the count master's bound it changed no plan
+of ``benchmarks/solver_speed.py``, only cost time, and it went. The figures are in ``docs/benchmarks.md``, "Planning
+speed".) Every search stops on work, not on seconds: [Note: work limits].
 
-Each phase (``PlanningProblem._relax`` and ``_round_relaxation``, ``_search_neighbourhood``, ``_probe``,
-``_tighten_by_counts``, ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces
-the one held only if it fits and is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the
-incumbent says when the plan held is within the gap (the solve then stops) and what proves it.
+Each phase (``_count_and_arrange``, ``_relax`` and ``_round_relaxation``, ``_search_neighbourhood``,
+``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces the one held only if it fits and
+is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the incumbent says when the plan held is
+within the gap (the solve then stops) and what proves it.
 
 [Note: the certificate]
 The status a solve reports is made in one place, :meth:`Incumbent.result`, from two numbers: the value of the plan
 returned and the lower bound held. No phase reports a status of its own, and a bound enters only from a phase that
 proved it: the LP relaxation when HiGHS solved it to optimality (pulp reads HiGHS's time and iteration limits as
 "Optimal", and the objective of a simplex stopped on the way bounds nothing), HiGHS's dual bound, the count
-relaxation's dual bound, and a search's cutoff (``value * (1 - gap)``, or just above ``settle_at`` when a question is
+master's dual bound, and a search's cutoff (``value * (1 - gap)``, or just above ``settle_at`` when a question is
 asked: :meth:`Incumbent.cutoff`) when the search *ran to its end* and found nothing under it.
 A run with a cutoff ``c`` proves ``min(its dual bound, c)``, not its dual bound: HiGHS bounds only the plans under
 the cutoff, and its dual bound can come out above the cutoff and above the incumbent itself. Taking it whole was
@@ -57,8 +65,8 @@ The plan is a function of the problem (profile, budget, options) alone: the same
 any machine. Until 0.1.x every phase stopped on wall-clock seconds (a quarter, a tenth, the rest of ``time_limit``),
 so a loaded machine searched less and could return another plan and status (6,835.715 against 6,814.459 ms on the
 297-unit benchmark problem). Now each HiGHS branch and bound stops on a number of nodes (``mip_max_nodes``, per
-phase in :data:`_NODES`: the neighbourhood 100, the probe 1 (its root), the count relaxation 50, the placement of its
-counts 5, the last phase 50); HiGHS is deterministic for a given model and options (its ``random_seed`` is fixed at
+phase in :data:`_NODES`: the count master 2,000, the neighbourhood 100, the last phase 50);
+HiGHS is deterministic for a given model and options (its ``random_seed`` is fixed at
 its default, its parallel tasks do not change its path), and the LP relaxation runs to its optimum. HiGHS ends a
 node-limited run with ``kSolutionLimit``, which pulp does not map (``_HiGHS.findSolutionValues``); the run is then
 incomplete, and proves only its dual bound. The root node is not bounded by a node limit but by HiGHS's own
@@ -72,33 +80,6 @@ second when no plan is held). A limit that is not reached changes nothing. One t
 machine's as much as the problem's, and the status says so whatever was proved: ``"time limit (within gap X)"``.
 ``tests/test_deterministic.py`` solves one problem repeatedly beside busy processes, and under a generous and a
 short limit, and gets one plan and status.
-
-[Note: the order of the phases]
-Each middle phase proves a different kind of instance, and each costs time where it does not: the cheapest
-first. The neighbourhood is bounded by its size; on a deep model the plan it finds is what comes within the gap
-(the swaps of a few blocks that rounding misses), and on a shallow one, where it would free every choice, it is
-the whole problem and is left to the last phase. The probe is the last phase's own search cut short: with the
-incumbent as its cutoff the solver's cuts often prove the gap at the root, where the count relaxation would
-spend a few seconds moving the bound by hundredths of a percent. The count relaxation closes what neither does
-when the LP's loss is a fraction of one of a few identical blocks (its bound is then the optimum), and tightens
-the bound the other phases report otherwise. Minimising the peak (``minimum_budget``) keeps the count relaxation
-first and runs no probe: on the planning benchmark that order found the minimum sooner. The figures are in
-``docs/benchmarks.md`` ("Planning speed").
-
-[Note: identical segments]
-A Transformer's blocks are identical segments: same options, same costs. The step time depends only on how many
-of them take each option, and the memory rows mostly through sums over them (the level at the end of the forward,
-the loss, the optimizer step), so plans that permute options among blocks tie, and the LP's fractional block (the
-"0.46 of a block stays no_shard" of a budget between two whole counts) leaves a gap of up to one block's cost that
-plain branch and bound cannot close through the permutations: 75 blocks ran into the 10 s limit at a 0.6% gap.
-Each run of identical segments, less its first and last (the instants around them tell them apart), is a class
-with an integer count variable per option (``count = sum of the class's binaries``; redundant in the ILP). The
-*count relaxation* makes the class's binaries continuous and keeps the counts integer: a relaxation of the ILP, so
-its optimum is a lower bound, branched on a few dozen integers instead of thousands, and tight where the rows see
-the class only through its sums. Its solution came out whole in every instance measured, and is then a plan of the
-ILP (an optimal one when the bound is its value); otherwise, if rounding is not within the gap of the bound, the
-counts it found are placed (the ILP with the counts fixed). HiGHS's presolve and primal heuristics are turned
-off for both (``_LIGHT``): on these few integers they cost more than the search.
 
 [Note: the MILP solver]
 Every phase runs on HiGHS, in process, through pulp's ``HiGHS`` interface (the ``highspy`` package): pulp stays the
@@ -122,7 +103,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -167,6 +148,7 @@ from lightning_osdp.solver.candidates import (
     segment_options,
 )
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
+from lightning_osdp.solver.runs import arrangements, count_rows, find_runs, formulate_master
 from lightning_osdp.topology import Topology
 
 __all__ = [
@@ -271,7 +253,7 @@ class Incumbent:
         chosen: the option per choice of the best plan found (``None`` until one fits).
         value: its objective (step time in ms, or peak in MiB); ``inf`` until one fits.
         lower: the best lower bound of the objective (``None`` until a phase proves one).
-        proof: what proves ``lower``: ``"LP relaxation"``, ``"count relaxation"`` or ``"branch and bound"``.
+        proof: what proves ``lower``: ``"count master"``, ``"LP relaxation"`` or ``"branch and bound"``.
         clock: the safety net's :class:`_Clock`.
     """
 
@@ -387,7 +369,6 @@ class _Formulation:
 
     prob: pulp.LpProblem
     xs: list[pulp.LpVariable]
-    counts: dict[tuple[int, Hashable], pulp.LpVariable]
     be: LinearBackend
 
 
@@ -452,12 +433,9 @@ class PlanningProblem:
         self.option_decisions: dict[tuple[Hashable, Hashable], tuple[tuple[str, Decision], ...]] = {}
         self.option_labels: dict[tuple[Hashable, Hashable], str] = {}
         globals_ = self._global_choices()
-        items, classes = self._segment_choices()
+        items = self._segment_choices()
         self.option_count = sum(len(s.options) for s in items if isinstance(s, SegmentChoice))
         self.option_count += sum(len(g.options) for g in globals_)
-        # The first and last of a run are left out: the instants around them (the end of the forward, the loss)
-        # tell them apart from the others.
-        self.classes: list[list[Hashable]] = [keys[1:-1] for keys in classes.values() if len(keys) > 3]
         self.spec: TimelineInput[LinExpr] = self._timeline_input(globals_, items)
 
     def _global_units(self) -> list[tuple[str, tuple[str, ...], list[str]]]:
@@ -477,15 +455,14 @@ class PlanningProblem:
                 self.option_labels[(key, m)] = m
         return choices
 
-    def _segment_choices(self) -> tuple[list[SegmentChoice | FreeCosts], dict[tuple[Any, ...], list[Hashable]]]:
-        """The layout's items in forward order (segments with their options, free runs simulated), and the
-        segments grouped by signature (see [Note: identical segments])."""
+    def _segment_choices(self) -> list[SegmentChoice | FreeCosts]:
+        """The layout's items in forward order (segments with their options, free runs simulated); identical
+        segments share one dict of options (``runs.py`` finds its runs by it)."""
         by_entry = {s.entry: s for s in self.candidates.segments}
         # Identical segments (same shapes and figures: the blocks of a Transformer) share their simulations and
         # pruning: on deep models that is most of the solver's Python time.
         cache: dict[tuple[Any, ...], tuple[list[SegmentOption], dict[Hashable, SegmentCosts], tuple[int, int]]] = {}
         items: list[SegmentChoice | FreeCosts] = []
-        classes: dict[tuple[Any, ...], list[Hashable]] = {}
         for item in self.layout.items:
             if isinstance(item, list):
                 items.append(simulate_free(free_run(self.info, item)))
@@ -495,13 +472,12 @@ class PlanningProblem:
                 bounds = segment_bounds(self.info, item, self.layout.excluded)
                 cache[signature] = (*self._simulate_options(by_entry[item]), bounds)
             relative, kept_costs, bounds = cache[signature]
-            classes.setdefault(signature, []).append(item)
             for j, option in enumerate(relative):
                 decisions = tuple((item + name[len(relative_entry(option)) :], d) for name, d in option.decisions)
                 self.option_decisions[(item, j)] = decisions
                 self.option_labels[(item, j)] = option.label
             items.append(SegmentChoice(item, kept_costs, *bounds))
-        return items, classes
+        return items
 
     def _simulate_options(
         self, candidate: SegmentCandidate
@@ -590,6 +566,7 @@ class PlanningProblem:
                 items.append(item)
             spec = dataclasses.replace(spec, items=items)
         be = LinearBackend()
+        be.source = spec
         for g in spec.globals:
             be.register(g.key, list(g.options))
         for item in spec.items:
@@ -598,12 +575,9 @@ class PlanningProblem:
         build_timeline(spec, be)
         return be
 
-    def _formulate(
-        self, be: LinearBackend, budget: int | None
-    ) -> tuple[pulp.LpProblem, list[pulp.LpVariable], dict[tuple[int, Hashable], pulp.LpVariable]] | None:
-        """The ILP in pulp: step time under ``budget``, or (``budget=None``) the peak; with the integer count of
-        each option in each class of identical segments (redundant in the ILP; the count relaxation's variables,
-        see [Note: identical segments]). ``None`` when a checkpoint no option touches exceeds the budget."""
+    def _formulate(self, be: LinearBackend, budget: int | None) -> tuple[pulp.LpProblem, list[pulp.LpVariable]] | None:
+        """The ILP in pulp: step time under ``budget``, or (``budget=None``) the peak. ``None`` when a checkpoint no
+        option touches exceeds the budget."""
         prob = pulp.LpProblem("osdp", pulp.LpMinimize)
         xs = [pulp.LpVariable(v.name, cat=pulp.LpBinary if v.binary else pulp.LpContinuous) for v in be.variables]
 
@@ -618,12 +592,6 @@ class PlanningProblem:
             prob += affine(be.objective)
         for key, options in be.options.items():
             prob += pulp.lpSum(xs[be.binaries[(key, o)]] for o in options) == 1
-        counts: dict[tuple[int, Hashable], pulp.LpVariable] = {}
-        for c, keys in enumerate(self.classes):
-            for o in be.options[keys[0]]:
-                n = pulp.LpVariable(f"count_{c}_{o}", lowBound=0, upBound=len(keys), cat=pulp.LpInteger)
-                counts[(c, o)] = n
-                prob += pulp.lpSum(xs[be.binaries[(key, o)]] for key in keys) - n == 0
         for i, v in enumerate(be.variables):
             if v.definition is not None:
                 prob += affine(v.definition - LinExpr({i: 1.0})) == 0
@@ -641,7 +609,7 @@ class PlanningProblem:
                 prob += affine(e) <= rhs
             else:
                 prob += affine(e) - peak <= 0
-        return prob, xs, counts
+        return prob, xs
 
     # ------------------------------------------------------------------ solving (see [Note: solving])
     def solve_ilp(
@@ -670,25 +638,75 @@ class PlanningProblem:
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started, time_limit=time_limit)
         if settle_at is not None and budget is None:
             incumbent.settle_at = _rhs(settle_at)
+        counted = self._count_and_arrange(be, incumbent)
+        if counted == "infeasible":
+            return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan, "count master")
+        if incumbent.within_gap():
+            return incumbent.result("settled")
         f = _Formulation(*formulated, be=be)
-        if self._relax(f, incumbent) == "infeasible":
+        relaxed = self._relax(f, incumbent)
+        if relaxed == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
-        if incumbent.lower is not None:
+        if relaxed == "optimal":
             fractional = self._round_relaxation(f, incumbent)
-            # The order of the phases between rounding and the last: see [Note: the order of the phases].
-            neighbourhood = functools.partial(self._search_neighbourhood, f, incumbent, fractional)
-            probe = functools.partial(self._probe, f, incumbent)
-            counts = functools.partial(self._tighten_by_counts, f, incumbent)
-            phases = [counts, neighbourhood] if incumbent.minimises_peak else [neighbourhood, probe, counts]
-            for phase in phases:
-                if incumbent.within_gap():
-                    return incumbent.result("settled")
-                if incumbent.clock.expired() and incumbent.chosen is not None:
-                    return incumbent.result("time limit")
-                phase()
+            if isinstance(counted, tuple):
+                # The master's counts, arranged, broke a row near the end of a run: repaired there, whatever rounding
+                # proved (the master's counts are the faster plan, when they are a few blocks from one).
+                self._search_neighbourhood(f, incumbent, {}, *counted)
+            if incumbent.within_gap():
+                return incumbent.result("settled")
+            if incumbent.clock.expired() and incumbent.chosen is not None:
+                return incumbent.result("time limit")
+            self._search_neighbourhood(f, incumbent, fractional)
             if incumbent.within_gap():
                 return incumbent.result("settled")
         return self._branch_and_bound(f, incumbent)
+
+    def _count_and_arrange(
+        self, be: LinearBackend, incumbent: Incumbent
+    ) -> str | tuple[dict[Hashable, Hashable], set[Hashable]] | None:
+        """Runs of identical blocks counted, then arranged (see ``runs.py``'s [Note: count and arrange]): the master
+        problem's dual bound is raised, an arrangement that fits every row offered, and when none does the ends held
+        as binaries double, until the plan is proved or :data:`_ENDS` is reached. Returns ``"infeasible"`` when the
+        master (a relaxation) proves no plan fits; when its last arrangement broke a row, that arrangement and the
+        blocks near the ends of its runs (for :meth:`_search_neighbourhood` to repair it); else ``None``."""
+        runs = find_runs(be.source)
+        if not runs:
+            return None
+        cb = count_rows(be.source, be.options, runs)
+        head, tail = 1, 2
+        while not incumbent.clock.expired():
+            master = formulate_master(cb, runs, incumbent.rhs, head, tail)
+            try:
+                _, result = _run_mip(
+                    master.prob, dict, gap=incumbent.gap * _MASTER_GAP, clock=incumbent.clock, nodes=_NODES["master"]
+                )
+            except SolverError:
+                return None
+            if result.status == "infeasible":
+                return "infeasible"
+            if result.lower is not None:
+                incumbent.raise_bound(result.lower, "count master")
+            chosen, counts = master.read(cb, runs)
+            orders = [arrangements(run, counts[r]) for r, run in enumerate(runs)]
+
+            def place(
+                r: int, order: list[Hashable], plan: dict[Hashable, Hashable], inside: list[range] = master.interiors
+            ) -> dict[Hashable, Hashable]:
+                return {**plan, **dict(zip((runs[r].keys[p] for p in inside[r]), order, strict=True))}
+
+            for r in range(len(runs)):
+                chosen = place(r, orders[r][0], chosen)
+            for r in range(len(runs)):  # the step time is the counts': the order of smallest peak, run by run
+                chosen = min((place(r, order, chosen) for order in orders[r]), key=lambda c: incumbent.score(c)[0])
+            incumbent.offer(chosen)
+            if incumbent.within_gap() or not any(master.interiors) or not master.dropped:
+                return None
+            if tail >= _ENDS[incumbent.minimises_peak]:
+                ends = {key for run in runs for key in run.keys[:2] + run.keys[-_NEIGHBOURHOOD:]}
+                return (chosen, ends) if not incumbent.fits(incumbent.score(chosen)[0]) else None
+            head, tail = 2 * head, 2 * tail
+        return None
 
     def _relax(self, f: _Formulation, incumbent: Incumbent) -> str:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
@@ -706,7 +724,7 @@ class PlanningProblem:
             return "infeasible"
         if status != highspy.HighsModelStatus.kOptimal:
             return "stopped"
-        incumbent.lower = float(f.prob.solverModel.getInfo().objective_function_value)
+        incumbent.raise_bound(float(f.prob.solverModel.getInfo().objective_function_value), "LP relaxation")
         return "optimal"
 
     def _round_relaxation(self, f: _Formulation, incumbent: Incumbent) -> dict[Hashable, list[Hashable]]:
@@ -725,7 +743,8 @@ class PlanningProblem:
         if not incumbent.offer(rounded) or incumbent.settled():
             return fractional
         for key in fractional:
-            for o in sorted(fractional[key], key=lambda o: self._seconds(key, o)):
+            added = f.be.objective.terms  # each option's added milliseconds
+            for o in sorted(fractional[key], key=lambda o: added.get(f.be.binaries[(key, o)], 0.0)):
                 current = incumbent.chosen
                 assert current is not None  # the rounded plan, or a better one
                 if o == current[key]:
@@ -734,72 +753,26 @@ class PlanningProblem:
                     break
         return fractional
 
-    def _tighten_by_counts(self, f: _Formulation, incumbent: Incumbent) -> None:
-        """Rounding's loss may be the LP's alone (a fraction of a block): the count relaxation bounds it (see [Note:
-        identical segments]). Its solution is offered when every choice in it came out whole (it is then a plan of
-        the ILP, and an optimal one when the bound is its value), and its integer counts placed otherwise (the ILP
-        with each class held to them: its time is fixed, only the peak is left to satisfy). A question asked
-        (``settle_at``) is its cutoff: only whether it goes under that matters, and nothing there proves "no"."""
-        if not self.classes:
-            return
-        be, xs = f.be, f.xs
-        relaxed = [xs[be.binaries[(key, o)]] for keys in self.classes for key in keys for o in be.options[key]]
-        for x in relaxed:
-            x.cat = pulp.LpContinuous
-        cutoff = None if incumbent.settle_at is None else incumbent.cutoff()
-        try:
-            _, result = _run_mip(
-                f.prob,
-                be,
-                xs,
-                gap=incumbent.gap / 4,
-                clock=incumbent.clock,
-                nodes=_NODES["counts"],
-                light=True,
-                cutoff=cutoff,
-            )
-        except SolverError:
-            return
-        finally:
-            for x in relaxed:
-                x.cat = pulp.LpInteger  # what pulp makes of LpBinary: "Binary" itself would be continuous
-        if result.lower is None:
-            return
-        incumbent.raise_bound(result.lower, "count relaxation")
-        if result.status == "infeasible":
-            return
-        if all(min(v, 1.0 - v) <= 1e-6 for v in ((x.value() or 0.0) for x in relaxed)):
-            incumbent.offer(_chosen(be, xs))
-        if not incumbent.within_gap() and not incumbent.clock.expired():
-            incumbent.offer(self._place_counts(f, incumbent))
-
-    def _place_counts(self, f: _Formulation, incumbent: Incumbent) -> dict[Hashable, Hashable] | None:
-        """Branch and bound with each class of identical segments held to the counts the last solve left in
-        ``f.counts`` (the count relaxation's): where its segments go."""
-        for n in f.counts.values():
-            n.lowBound = n.upBound = round(n.value() or 0.0)
-        try:
-            return _run_mip(
-                f.prob, f.be, f.xs, gap=incumbent.gap / 4, clock=incumbent.clock, nodes=_NODES["placement"], light=True
-            )[0]
-        except SolverError:
-            return None
-        finally:
-            for (c, _), n in f.counts.items():
-                n.lowBound, n.upBound = 0, len(self.classes[c])
-
     def _search_neighbourhood(
-        self, f: _Formulation, incumbent: Incumbent, fractional: Mapping[Hashable, Sequence[Hashable]]
+        self,
+        f: _Formulation,
+        incumbent: Incumbent,
+        fractional: Mapping[Hashable, Sequence[Hashable]],
+        start: Mapping[Hashable, Hashable] | None = None,
+        near: set[Hashable] | None = None,
     ) -> None:
         """Rounding lost more than the gap: branch and bound over the fractional choices, the global units and a
         spread of other segments, every other choice fixed to the incumbent's. It finds the swaps rounding misses
-        (one block to full_shard so that another can stay no_shard), in a problem small enough to solve at once."""
-        be, xs, start = f.be, f.xs, incumbent.chosen
+        (one block to full_shard so that another can stay no_shard), in a problem small enough to solve at once.
+        With ``start`` (the count master's arrangement that broke a row) the choices ``near`` the ends of its runs
+        are freed instead of a spread, the rest fixed to ``start``: the blocks whose instants it broke."""
+        be, xs = f.be, f.xs
+        start = incumbent.chosen if start is None else start
         keys = list(be.options)
         if start is None or len(keys) < 2 * _NEIGHBOURHOOD:
             return  # every choice would be free: the whole problem, the last phase's
         free = set(fractional) | {g.key for g in self.spec.globals}
-        free.update(keys[:: max(len(keys) // _NEIGHBOURHOOD, 1)])
+        free.update(keys[:: max(len(keys) // _NEIGHBOURHOOD, 1)] if near is None else near)
         free.update(keys[-2:])
         fixed = []
         for key in keys:
@@ -811,23 +784,19 @@ class PlanningProblem:
                 fixed.append(x)
         try:
             incumbent.offer(
-                _run_mip(f.prob, be, xs, gap=incumbent.gap / 4, clock=incumbent.clock, nodes=_NODES["neighbourhood"])[0]
+                _run_mip(
+                    f.prob,
+                    functools.partial(_chosen, be, xs),
+                    gap=incumbent.gap / 4,
+                    clock=incumbent.clock,
+                    nodes=_NODES["neighbourhood"],
+                )[0]
             )
         except SolverError:
             pass
         finally:
             for x in fixed:
                 x.lowBound, x.upBound = 0, 1
-
-    def _probe(self, f: _Formulation, incumbent: Incumbent) -> None:
-        """The last phase's branch and bound cut short (``_NODES["probe"]``), before the count relaxation: with
-        the incumbent's cutoff, the solver's own cuts often prove the gap at its root (see [Note: the order of the
-        phases]). A plan it finds is offered, the bound it proves raised."""
-        try:
-            chosen, result = self._whole_problem(f, incumbent, _NODES["probe"])
-        except SolverError:
-            return  # no plan better than the incumbent by the gap found within its nodes: the phases go on
-        self._settle_cutoff(incumbent, chosen, result)
 
     def _settle_cutoff(
         self, incumbent: Incumbent, chosen: dict[Hashable, Hashable] | None, result: SolveResult
@@ -849,8 +818,7 @@ class PlanningProblem:
         better than it by more than the gap are searched); raises :class:`SolverError` when it finds no plan."""
         return _run_mip(
             f.prob,
-            f.be,
-            f.xs,
+            functools.partial(_chosen, f.be, f.xs),
             gap=incumbent.gap,
             clock=incumbent.clock,
             nodes=nodes,
@@ -909,15 +877,6 @@ class PlanningProblem:
             if len(support) > 1:
                 fractional[key] = support
         return chosen, fractional
-
-    def _seconds(self, key: Hashable, option: Hashable) -> float:
-        for g in self.spec.globals:
-            if g.key == key:
-                return g.options[option].time.added
-        for item in self.spec.items:
-            if isinstance(item, SegmentChoice) and item.key == key:
-                return item.options[option].seconds
-        raise KeyError(key)
 
     def plan(self, chosen: dict[Hashable, Hashable]) -> Plan:
         """The plan of a chosen option per choice."""
@@ -1026,16 +985,21 @@ def _prune(costs: Mapping[K, SegmentCosts], *, time: bool = True) -> list[K]:
     return kept
 
 
-#: HiGHS's options for the count relaxation and the placement of its counts: their few integer variables branch
-#: quickly, and presolve and primal heuristics cost more than the search.
-_LIGHT: dict[str, Any] = {"presolve": "off", "mip_heuristic_effort": 0.0}
+#: The count master's relative gap, as a share of the solve's: its bound is what proves the plan, and its root closes
+#: most of the gap. (A hundredth gave slower plans on the 1,997-unit problem: other counts, that no order fitted.)
+_MASTER_GAP = 0.1
+
+#: The most blocks at the end of a run the count master holds as binaries before the general path takes over (see
+#: ``runs.py``'s [Note: count and arrange]), by whether the peak is minimised: the step-time master's root grows
+#: with them (a second at 8 blocks of 69 options, on the 297-unit benchmark problem), the peak's stays light.
+_ENDS = {False: 4, True: 16}
 
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
 
 #: The work limit of each phase's branch and bound, in HiGHS's nodes (``mip_max_nodes``): what stops the search, where
 #: the gap does not, on every machine alike (see [Note: work limits]).
-_NODES: dict[str, int] = {"neighbourhood": 100, "probe": 1, "counts": 50, "placement": 5, "last": 50}
+_NODES: dict[str, int] = {"master": 2000, "neighbourhood": 100, "last": 50}
 
 #: The safety net of a whole solve, in time limits (of one run each; see [Note: work limits]).
 _RUNS = 3
@@ -1127,31 +1091,28 @@ class _HiGHS(pulp.HiGHS):
 
 def _run_mip(
     prob: pulp.LpProblem,
-    be: LinearBackend,
-    xs: list[pulp.LpVariable],
+    read: Callable[[], dict[Hashable, Hashable]],
     *,
     gap: float,
     clock: _Clock,
     nodes: int,
     cutoff: float | None = None,
-    light: bool = False,
     seconds: float = 0.0,
     first: bool = False,
 ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
     """Branch and bound on HiGHS, in process, for at most ``nodes`` nodes, stopped by the safety net ``clock`` (or
     after ``seconds``, if longer; see [Note: work limits]); with ``cutoff`` (of the whole objective) only better
     plans are searched, and a search under it that finds nothing proves the cutoff a lower bound (``lower``);
-    ``first`` stops at the first plan found under it; ``light`` turns presolve and primal heuristics off (see
-    :data:`_LIGHT`). The status, the dual bound and whether the search ran to its end are read from HiGHS itself
-    (pulp reads every limit as "Optimal"). Raises :class:`SolverError` when no plan was found and the search did not
-    end."""
+    ``first`` stops at the first plan found under it; ``read`` gives the plan of the solution pulp holds. The
+    status, the dual bound and whether the search ran to its end are read from HiGHS itself (pulp reads every limit
+    as "Optimal"). Raises :class:`SolverError` when no plan was found and the search did not end."""
     import highspy
 
     time_limit = max(clock.left(), seconds)
     if time_limit <= 0:
         clock.hit = True
         raise SolverError("the ILP solver (HiGHS) was not run: the solve's time limit is past")
-    options: dict[str, Any] = dict(_LIGHT) if light else {}
+    options: dict[str, Any] = {}
     if cutoff is not None:
         options["objective_bound"] = float(cutoff)  # HiGHS prunes every node at or above it
         if first:
@@ -1190,9 +1151,7 @@ def _run_mip(
         # HiGHS's dual bound is of the plans under the cutoff only: those at or above it it never looked at, and
         # its bound can exceed the cutoff (and the incumbent). Every plan is at least the smaller of the two.
         bound = min(bound, float(cutoff))
-    return _chosen(be, xs), SolveResult(
-        status, achieved, elapsed, value, lower=bound, complete=complete, stopped=stopped
-    )
+    return read(), SolveResult(status, achieved, elapsed, value, lower=bound, complete=complete, stopped=stopped)
 
 
 def _footprint(c: SegmentCosts) -> int:
@@ -1310,7 +1269,8 @@ def solve(
         a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds
         ``status`` (``"optimal"``, ``"within gap X"``, ``"work limit"`` or ``"time limit"``, the last two with the gap
         the lower bound proves when a plan is in hand), ``bound`` (what proves it: ``"LP relaxation"``, ``"count
-        relaxation"``, ``"branch and bound"`` or ``"exact check"``), the predicted peak and step time, the budget and
+        relaxation"``, ``"count master"``, ``"branch and bound"``
+        or ``"exact check"``), the predicted peak and step time, the budget and
         the world size; ``plan.info`` holds the same figures under their historical names.
 
     Raises:

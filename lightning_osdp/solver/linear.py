@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,8 @@ class LinearBackend:
         self.options: dict[Hashable, list[Hashable]] = {}
         self.checkpoints: list[tuple[str, LinExpr]] = []
         self.objective = LinExpr()
+        #: the timeline input the rows were built from (set by ``PlanningProblem.build``)
+        self.source: Any = None
         self._compiled: _Compiled | None = None
 
     # ------------------------------------------------------------------ variables
