@@ -417,7 +417,8 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
         except InfeasibleBudgetError:
             break
         plan.info["card"] = (
-            f"solved under {format_bytes(budget)} so that its device total fits the {format_bytes(card or 0)} card"
+            f"solved again under {format_bytes(budget)}: the device total of the plan under the budget was over the "
+            f"{format_bytes(card or 0)} card"
         )
     return plan
 
@@ -711,7 +712,7 @@ def _report(
     if run.figures.device.startswith("cuda"):
         out.print(plan_memory_line(osdp.prediction, osdp.plan, run.topology, run.figures.memory_bytes))
     if "card" in osdp.plan.info:
-        out.print(f"OSDP's plan was {osdp.plan.info['card']} (the budget's plan did not)")
+        out.print(f"OSDP's plan was {osdp.plan.info['card']}")
     out.print("")
     headers = [
         "strategy",
