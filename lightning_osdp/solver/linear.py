@@ -15,9 +15,18 @@ import numpy as np
 
 from lightning_osdp.cost_model.parts import MemoryParts
 
-__all__ = ["MIB", "LinExpr", "LinearBackend"]
+__all__ = ["MIB", "LinExpr", "LinearBackend", "option_coefficients"]
 
 MIB = float(2**20)
+
+
+def option_coefficients(values: Mapping[Hashable, MemoryParts | None], cross_upper: float) -> dict[Hashable, float]:
+    """Per option, its bytes at an instant of ``checkpoint_options`` in MiB, the row's terms beside ``base + cross``.
+
+    An option that never reaches the instant (``None``) gets ``-cross_upper``, the upper bound of ``cross``: its row
+    reads ``base + cross - ub(cross) <= base``, implied by the segment's first instant (a real state), so it never
+    binds."""
+    return {o: -cross_upper if v is None else v.total / MIB for o, v in values.items()}
 
 
 class LinExpr:
@@ -133,14 +142,8 @@ class LinearBackend:
         total = base
         for c in cross:
             total = total + c
-        # An option that never reaches this instant gets -ub(cross): its row reads base + cross - ub(cross) <=
-        # base, implied by the segment's first instant (a real state), so it never binds.
-        filler = -sum(self.bounds(c)[1] for c in cross)
-        terms = {}
-        for o, v in values.items():
-            coef = v.total / MIB if v is not None else filler
-            if coef:
-                terms[self.binaries[(key, o)]] = coef
+        coefficients = option_coefficients(values, sum(self.bounds(c)[1] for c in cross))
+        terms = {self.binaries[(key, o)]: coef for o, coef in coefficients.items() if coef}
         self.checkpoint(label, total + LinExpr(terms))
 
     def materialize(self, value: LinExpr, name: str) -> LinExpr:

@@ -53,7 +53,7 @@ import pulp
 
 from lightning_osdp.cost_model.parts import MemoryParts
 from lightning_osdp.cost_model.timeline import SegmentChoice, TimelineInput, build_timeline
-from lightning_osdp.solver.linear import MIB
+from lightning_osdp.solver.linear import MIB, option_coefficients
 
 __all__ = ["CountBackend", "Master", "Run", "find_runs", "formulate_master"]
 
@@ -211,12 +211,8 @@ class CountBackend:
         total = base
         for c in cross:
             total = self.add(total, c)
-        # The filler of LinearBackend.checkpoint_options, computed the same way (see there).
-        filler = -sum(self.bounds(c)[1] for c in cross)
-        self.checkpoint(
-            label,
-            self.add(total, self._vector(key, {o: filler if v is None else v.total / MIB for o, v in values.items()})),
-        )
+        coefficients = option_coefficients(values, sum(self.bounds(c)[1] for c in cross))
+        self.checkpoint(label, self.add(total, self._vector(key, coefficients)))
 
     def materialize(self, value: Expr, name: str) -> Expr:
         return value
