@@ -93,12 +93,9 @@ def gib(text: str) -> float:
 
 
 # ============================================================================================== osdp plan
-@pytest.mark.slow
-def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp_does(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    # How long it takes is a benchmark figure (benchmarks/plan_at_scale.py), not a test's: CI may run loaded.
-    code, out, err = osdp(
+def plan_1_3b_on_rtx4090s(capsys: pytest.CaptureFixture[str], memory: str, *extra: str) -> tuple[int, str, str]:
+    """``osdp plan`` of the 1.3B GPT on 8 RTX 4090s at batch 4 under ``memory``."""
+    return osdp(
         capsys,
         "plan",
         "--model",
@@ -108,12 +105,21 @@ def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp
         "--world-size",
         8,
         "--memory",
-        "24GiB",
+        memory,
         "--hardware",
         "rtx4090-pcie",
         "--batch-size",
         4,
+        *extra,
     )
+
+
+@pytest.mark.slow
+def test_dry_run_of_a_1_3b_gpt_on_8_x_24gib_gpus_shows_ddp_does_not_fit_and_fsdp_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # How long it takes is a benchmark figure (benchmarks/plan_at_scale.py), not a test's: CI may run loaded.
+    code, out, err = plan_1_3b_on_rtx4090s(capsys, "24GiB")
     assert code == 0, err
     assert "1.31B parameters" in out and "8 x NVIDIA GeForce RTX 4090" in out
     assert "OSDP plan: Plan(" in out and "predicted peak" in out
@@ -175,23 +181,7 @@ def test_a_row_within_the_budget_does_not_fit_a_card_its_device_total_exceeds(
 ) -> None:
     # A budget above the card's 24 GiB: DDP+AC's allocated peak (about 24.5 GiB) is within it, its device total is not
     # within the card.
-    code, out, err = osdp(
-        capsys,
-        "plan",
-        "--model",
-        f"{GPT_FILE}:GPTModule",
-        "--init-args",
-        json.dumps(GPT_1_3B),
-        "--world-size",
-        8,
-        "--memory",
-        "26GiB",
-        "--hardware",
-        "rtx4090-pcie",
-        "--batch-size",
-        4,
-        "--no-search",
-    )
+    code, out, err = plan_1_3b_on_rtx4090s(capsys, "26GiB", "--no-search")
     assert code == 0, err
     ddp_ac = comparison(out)["DDP+AC"]
     assert gib(ddp_ac["peak/device"]) <= 26 * 0.98 and gib(ddp_ac["device total"]) > 24
