@@ -9,7 +9,8 @@ embedding, learned positions), profiles it on fake tensors with the built-in fig
 cost model (``cost_model.predict``). The prediction per GPU is the published micro-batch's tokens over the
 micro-batch's step, the optimizer's step spread over the accumulation steps. What a row says beyond a plan is modelled
 here: its attention kernel (``hardware.py``'s ``ATTENTION_KERNEL_SPEED``), torchtitan's selective policy
-(:func:`_with_published_policy`) and the fused kernels that change what the step keeps ([Note: fused kernels]).
+(:func:`_with_published_policy`), the fused kernels it runs ([Note: fused kernels]), how it accumulates gradients
+([Note: accumulation as the source runs it]) and the precision of its loss.
 
 Calibration. The calibrated constants are ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
 [Note: a training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training
@@ -22,9 +23,10 @@ prints how far that is from the exact prediction at the chosen values); every fi
 generation's efficiency is the grid value with the least mean absolute log error of throughput over the calibrating
 runs on that generation: "all" calibrates on every eager run, "held out" predicts each source's runs with the values
 calibrated on the other sources' eager runs only. Runs whose step was compiled (torch.compile) or hand-fused are
-predicted and reported but not calibrated on: the trace is of the eager step, whose memory-bound operators such a step
-fuses away. ``--calibrate-memory`` adds the memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``,
-else kept at its assumed value), traced a third time at half of it and interpolated bilinearly.
+predicted with their fused kernels ([Note: fused kernels]) and reported but not calibrated on: ``osdp plan`` traces a
+model's eager step, so its constants are fitted where that trace is the step. ``--calibrate-memory`` adds the
+memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``, else kept at its assumed value), traced
+a third time at half of it and interpolated bilinearly.
 
 Memory. Beside the allocated peak, the reserved peak and the device total of ``cli/reserved_memory.py``, and whether
 the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
@@ -145,8 +147,8 @@ class PublishedRun:
 
     @property
     def calibrates(self) -> bool:
-        """Whether the run's step is the eager step the dry run traces (compiled or hand-fused steps are predicted
-        and reported, not calibrated on)."""
+        """Whether the run's step is the eager step ``osdp plan`` traces (compiled or hand-fused steps are predicted
+        with their fused kernels and reported, not calibrated on)."""
         return self.step == "eager"
 
 
@@ -237,8 +239,8 @@ def build_model(run: PublishedRun) -> torch.nn.Module:
 # logits as they are and one log-sum-exp per row, where the eager loss keeps the fp32 logits and their log-softmax; a
 # fused rotary keeps nothing of its input (its backward is the rotation by the opposite angle); fused SwiGLU keeps its
 # two inputs. And its time: the eager operators each read their inputs from and write their outputs to the device's
-# memory (the reference RMSNorm: seven passes over the activation, four of them in fp32), where the fused kernel reads
-# its inputs and writes its outputs once. So each fused kernel is an operator of its own
+# memory (the reference RMSNorm: six passes over the activation, four of them over fp32 values), where the fused
+# kernel reads its inputs and writes its outputs once. So each fused kernel is an operator of its own
 # (``torch.library.custom_op``), forward and backward, with autograd saving what the kernel saves: the tracer
 # charges an operator without a FLOP formula at the bytes of its tensor arguments and results
 # (``profiling/tracer.py``), which for a fused kernel is exactly one pass over its inputs and outputs at the memory
