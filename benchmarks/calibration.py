@@ -183,6 +183,8 @@ def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
             )
         if run.reduce_dtype is not None and run.precision == "bf16-mixed":
             raise ValueError(f"{path}: run {run.id}: reduce_dtype is for FSDP's policies (bf16-fsdp, bf16-true)")
+        if run.attention == "cudnn" and generation(run) != "hopper":
+            raise ValueError(f"{path}: run {run.id}: cuDNN's attention speed is measured on Hopper only")
         if run.shape.get("context_length") != run.seq_len:
             raise ValueError(f"{path}: run {run.id}: shape's context_length differs from seq_len {run.seq_len}")
         if run.tokens_per_second_per_gpu <= 0 or run.micro_batch < 1 or run.grad_accum < 1:

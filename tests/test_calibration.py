@@ -164,6 +164,25 @@ def test_llm_foundrys_triton_attention_runs_at_its_published_share_of_flash_atte
     assert foundry and all(r.attention == "flash-attention-triton" for r in foundry)
 
 
+def test_cudnn_attention_runs_at_its_published_share_of_flash_attention_2_on_hopper_only(tmp_path: Path) -> None:
+    from lightning_osdp.cli.hardware import ATTENTION_KERNEL_SPEED, get_hardware
+
+    # FlashAttention-3 paper, figures 5 and 6 (H100, head dimension 128, 4k): forward causal 518 against 319 TFLOPS,
+    # backward 499 against 310.
+    assert ATTENTION_KERNEL_SPEED["cudnn"] == pytest.approx(1.614, abs=1e-3)
+    hardware = get_hardware("h200-sxm")
+    fa2 = hardware.figures(8, "bf16-mixed").rates.attention_flops_per_second
+    cudnn = hardware.figures(8, "bf16-mixed", attention_kernel="cudnn").rates.attention_flops_per_second
+    assert all(b[3] == pytest.approx(a[3] * ATTENTION_KERNEL_SPEED["cudnn"]) for a, b in zip(fa2, cudnn, strict=True))
+    data = json.loads(calibration.RUNS_FILE.read_text())
+    (row,) = [r for r in data["runs"] if r["id"] == "tt-13b-64xa100"]
+    data["runs"] = [{**row, "attention": "cudnn"}]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="measured on Hopper only"):
+        calibration.load_runs(path)
+
+
 def _small_selective_run(**changes: object) -> calibration.PublishedRun:
     """torchtitan's 8B row at a shape small enough to trace in a test, with selective recomputation."""
     (run,) = [r for r in calibration.load_runs() if r.id == "tt-8b-8xh100"]

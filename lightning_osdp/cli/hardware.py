@@ -132,9 +132,16 @@ TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.85, "ampere": 0.875}
 # the backward pass": the Triton kernel (flash-attn's ``flash_attn_triton.py``, which llm-foundry's
 # ``attn_impl: triton`` copies) takes (1.4 + 2.5 x 2) / 3.5 = 1.83 times as long, so runs at 0.547 of the rate. The
 # paper measures Ampere only; the same ratio is assumed on Hopper (neither kernel uses Hopper's wgmma instructions).
+# cuDNN's fused attention is the kernel torch's SDPA runs first on Hopper once its bundled cuDNN is recent enough
+# (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` ``check_prefer_cudnn_attention``: sm90 and sm100). The
+# FlashAttention-3 paper (Shah et al., arXiv 2407.08608, figures 5 and 6, H100 80GB SXM5, BF16, head dimension 128,
+# sequence 4k) measures it beside FlashAttention-2: forward with the causal mask 518 against 319 TFLOPS, backward
+# 499 against 310, so (1 + 2.5) / (319 / 518 + 2.5 x 310 / 499) = 1.61 times FlashAttention-2's rate. Measured on
+# Hopper (whose asynchronous tensor-core instructions the kernel uses) and to be used there only.
 ATTENTION_KERNEL_SPEED: dict[str, float] = {
     "flash-attention-2": 1.0,
     "flash-attention-triton": 3.5 / (1.4 + 2.5 * 2.0),
+    "cudnn": 3.5 / (319 / 518 + 2.5 * 310 / 499),
 }
 # NOTE: round factors applied to data-sheet peaks that have no measurement. Large transformer GEMMs reach 70-85% of
 # the dense tensor-core peak in cuBLAS; the smaller matmuls of a step (attention, narrow projections) less, so 0.7.
