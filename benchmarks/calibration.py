@@ -28,8 +28,8 @@ model's eager step, so its constants are fitted where that trace is the step. ``
 memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``, else kept at its assumed value), traced
 a third time at half of it and interpolated bilinearly.
 
-Memory. Beside the allocated peak, the reserved peak and the device total of ``cli/reserved_memory.py``, and whether
-the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
+Memory. Beside the allocated peak, the reserved peak and the device total of ``cost_model/device_memory.py``, and
+whether the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
 ``memory_kind`` of its row).
 
 Run from the repository root: ``python benchmarks/calibration.py`` (two traces and a few predictions per run: about
@@ -69,8 +69,8 @@ from lightning_osdp.cli.hardware import (
     get_hardware,
     get_network,
 )
-from lightning_osdp.cli.reserved_memory import DeviceMemory, plan_device_memory
 from lightning_osdp.cost_model import predict
+from lightning_osdp.cost_model.device_memory import DeviceMemory, plan_device_memory
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile

@@ -38,7 +38,7 @@ from lightning_osdp._compat import (
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, applied_root, apply_plan, no_gradient_sync
 from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
 from lightning_osdp.apply.optimizer import prepare_optimizers
-from lightning_osdp.budget import device_memory_capacity, format_bytes
+from lightning_osdp.budget import card_bytes, device_memory_capacity, format_bytes
 from lightning_osdp.checkpoint.strategy import CheckpointingStrategy
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.memory import return_freed_blocks_on
@@ -489,7 +489,8 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             raise ValueError(
                 "plan_for needs a memory budget: give OSDPStrategy(memory_budget=...), or call it after setup"
             )
-        return self._planner.plan(profile, self._memory_budget, world_size or self.topology)
+        card = card_bytes(self.root_device) if self.parallel_devices else None
+        return self._planner.plan(profile, self._memory_budget, world_size or self.topology, card_bytes=card)
 
     @override
     def model_to_device(self) -> None:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import calibration
 
-from lightning_osdp.cli.reserved_memory import (
+from lightning_osdp.cost_model.device_memory import (
     CUDA_CONTEXT_BYTES,
     FRAGMENTATION_SHARE,
     NCCL_COMMUNICATOR_BYTES,
@@ -86,8 +86,8 @@ def test_a_runs_prediction_is_finite_and_exact_at_the_traced_rates() -> None:
     assert slow.memory == fast.memory
     assert fast.memory.allocated < fast.memory.reserved < fast.memory.device_total
     # `osdp plan`'s line of the same figures: the device total judged against the card.
-    from lightning_osdp.cli.reserved_memory import plan_memory_line
     from lightning_osdp.cost_model import predict
+    from lightning_osdp.cost_model.device_memory import plan_memory_line
 
     figures = calibration.figures_of(traced.run)
     plan = calibration.published_plan(traced.run, traced.module)
