@@ -140,9 +140,14 @@ class DryRun:
     def fits(self, row: StrategyFigures) -> bool:
         """Whether ``row`` fits: its allocated peak within the budget less the headroom, and on a GPU its device
         total within the card (``cost_model/device_memory.py``)."""
-        memory = self.device_memory(row)
+        return self.fits_prediction(row.plan, row.prediction)
+
+    def fits_prediction(self, plan: Plan, prediction: Prediction) -> bool:
+        """:meth:`fits` for ``plan`` predicted as ``prediction`` (at any batch size: the batch search asks it)."""
+        if prediction.peak_bytes > self.planned_budget:
+            return False
         card = self.card_bytes
-        return row.prediction.peak_bytes <= self.planned_budget and (memory is None or memory.fits(card or 0))
+        return card is None or plan_device_memory(prediction, plan, self.topology).fits(card)
 
 
 @dataclass
@@ -471,8 +476,7 @@ def _fits_plan(
     def fits(batch_size: int) -> Probe:
         if batch_size not in known:
             known[batch_size] = predict(scaled.at(batch_size), plan, run.topology)
-        peak = known[batch_size].peak_bytes
-        return Probe(peak <= run.planned_budget, peak)
+        return Probe(run.fits_prediction(plan, known[batch_size]), known[batch_size].peak_bytes)
 
     return fits
 
