@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_osdp.budget import CUDA_RESERVE_BYTES, check_memory_budget, format_bytes
 from lightning_osdp.cli.batch import BatchSource, batch_source
-from lightning_osdp.cli.batch_search import Probe, largest_batch
+from lightning_osdp.cli.batch_search import AnyPlanFits, Probe, largest_batch
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile
 from lightning_osdp.cli.hardware import HARDWARE, HardwareFigures, get_hardware, get_network, hardware_from_file
@@ -55,6 +55,7 @@ from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, PlannerOptions, planned_budget
+from lightning_osdp.solver.reuse import reusing_problems
 from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "MFU_CONVENTIONS", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
@@ -423,16 +424,8 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
     return plan
 
 
-def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], Probe]:
-    def fits(batch_size: int) -> Probe:
-        smallest = run.planner.smallest_budget(
-            scaled.at(batch_size),
-            run.topology,
-            settle_at=run.budget,  # only whether some plan fits: settled sooner than the minimum is proved
-        )
-        return Probe(smallest <= run.budget, smallest)
-
-    return fits
+def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> AnyPlanFits:
+    return AnyPlanFits(run.planner, run.topology, run.budget, scaled.at)
 
 
 def _infeasible(run: DryRun, err: InfeasibleBudgetError, scaled: BatchScaledProfile, out: Output) -> CLIError:
@@ -795,7 +788,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     dry = resolve(args, out)
     dry.seconds["model"] = time.perf_counter() - start
     scaled = _profiles(dry, out)
-    rows = compare(dry, scaled, out, search=not args.no_search)
+    with reusing_problems():  # the same profile is solved more than once (solver/reuse.py)
+        rows = compare(dry, scaled, out, search=not args.no_search)
     _report(dry, scaled, rows, out, mfu_convention=args.mfu_convention, all_units=args.all_units)
     if args.out:
         _save(dry, scaled, rows[0].plan, args.out, out)
