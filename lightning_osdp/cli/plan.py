@@ -228,6 +228,18 @@ def _modes(text: str | None, config: RunConfig) -> tuple[str, ...]:
     return tuple(names)
 
 
+#: The flag that fills each of the planner's options (``PlannerOptions``' fields, the strategy's arguments).
+_PLANNER_FLAGS = {
+    "modes": "--modes",
+    "max_split": "--max-split",
+    "activation_checkpointing": "--activation-checkpointing",
+    "solver_time_limit": "--solver-time-limit",
+    "memory_headroom": "--memory-headroom",
+    "solver": "--solver",
+    "solver_gap": "--solver-gap",
+}
+
+
 def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     """Read the options and configs, build the model on the meta device; every user error is a :class:`CLIError`."""
     config = read_configs(args.config)
@@ -287,26 +299,23 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     if accumulation < 1:
         raise CLIError(f"--accumulate-grad-batches must be at least 1, got {accumulation}")
     optimizer, optimizer_note = _optimizer(args.optimizer, model)
-    max_split = args.max_split if args.max_split is not None else (config.max_split or 8)
-    if max_split < 1:
-        raise CLIError(f"--max-split must be at least 1, got {max_split}")
     headroom = args.memory_headroom if args.memory_headroom is not None else config.memory_headroom
-    if headroom is None:
-        headroom = DEFAULT_MEMORY_HEADROOM
-    if not 0.0 <= headroom < 0.5:
-        raise CLIError(f"--headroom must be in [0, 0.5), got {headroom}")
     try:
+        # Checked once, where the strategy checks its arguments; the errors name the flags.
         planner = PlannerOptions.checked(
             modes=_modes(args.modes, config),
-            max_split=max_split,
+            max_split=args.max_split if args.max_split is not None else (config.max_split or 8),
             activation_checkpointing=_recompute(args.activation_checkpointing, config),
             solver_time_limit=args.solver_time_limit,
-            memory_headroom=headroom,
+            memory_headroom=DEFAULT_MEMORY_HEADROOM if headroom is None else headroom,
             solver=args.solver,
-            solver_gap=_gap(args.solver_gap),
+            solver_gap=args.solver_gap,
         )
     except (TypeError, ValueError) as err:
-        raise CLIError(str(err)) from None
+        message = str(err)
+        for argument, flag in _PLANNER_FLAGS.items():
+            message = message.replace(f"OSDPStrategy({argument}=...)", flag)
+        raise CLIError(message) from None
     return DryRun(
         model=model,
         model_name=type(model).__name__,
@@ -326,16 +335,6 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         tokens_per_sample=tokens_per_sample,
         accumulation=accumulation,
     )
-
-
-def _gap(value: float) -> float:
-    """``--gap``, checked (a relative optimality gap in [0, 1))."""
-    from lightning_osdp.solver.ilp import check_gap
-
-    try:
-        return check_gap(value)
-    except ValueError as err:
-        raise CLIError(f"--gap: {err}") from None
 
 
 def _recompute(flag: str | None, config: RunConfig) -> Recompute:
