@@ -22,22 +22,23 @@ the budget or proves a bound above it (``settle_at``). What is true at one batch
   gradients' and optimizer state's bytes, which do not depend on the batch, plus activations and buffers of
   activations, which do not shrink as it grows (every figure is affine in ``b``, ``estimate.py``'s [Note: batch
   size], with a slope that is a size of a batch's tensors). That is the bracket's upper end: no larger size is
-  probed again. (A smallest peak proved at ``b`` is also a lower bound at every larger size; the question at a larger
-  size is only asked below the smallest size known not to fit, where such a bound is under the budget and decides
-  nothing, so none is carried.)
-* *A plan fits at b*: the plan the probe found is a plan at every other size too (the planning units and each
-  segment's options are chosen from parameter bytes alone, ``solver/candidates.py``), and its peak there is one
-  prediction, where a solve simulates every option of every segment. So a later probe first predicts the plans that
-  fitted before, the latest first (:data:`_HELD`): one that fits answers "yes", with its peak as the probe's figure;
-  only when none fits does the solve run. The answer is the solve's: the solve's minimum is at most that plan's peak,
-  and the largest batch and the plan found there (solved as before) are those of a search without the held plans
-  (``tests/test_batch_search.py``). The peak compared must be the one the solve judges a plan by, the larger of the
-  prediction and the ILP's rows (``solver/ilp.py``'s ``_minimum``); they are the same walk on the same numbers except
-  after a ``no_shard`` segment, where the ILP bounds FSDP2's pending buffer from above (``cost_model/timeline.py``'s
-  [Note: pending buffers across DDP segments]). So only plans that shard every unit are held (the least-memory
-  plans are; one that shards nothing is left to the solve, which weighs it apart). An option the solve at the other
-  size prunes is dominated there by one no larger in any term (``solver/ilp.py``'s ``_prune``), so the solve there
-  has a plan at most as large.
+  probed again. (A smallest peak proved at ``b`` is also a lower bound at every larger size; but the question is
+  only asked below the smallest size known not to fit, where such a bound is under the budget and decides nothing,
+  so none is carried.)
+* *A plan fits at b*: the plan the probe found is a plan at every other size too (the planning units are chosen from
+  parameter bytes, a segment's options from those and whether its modules save activations at all:
+  ``solver/candidates.py``), and its peak there is one prediction, where a solve simulates every option of every
+  segment. So a later probe first predicts the plans that fitted before, the latest first (:data:`_HELD`): one that
+  fits answers "yes", with its peak as the probe's figure; only when none fits does the solve run. The answer is
+  the solve's, whatever the peaks do between sizes (each "yes" is checked at its own size): the solve's minimum is
+  at most that plan's peak, so the largest batch, and the plan solved there, are those of a search without held
+  plans (``tests/test_batch_search.py``). The peak compared must be the one the solve judges a plan by, the larger
+  of the prediction and the ILP's rows (``solver/ilp.py``'s ``_minimum``). The two are the same walk on the same
+  numbers except after a ``no_shard`` segment, where the ILP bounds FSDP2's pending buffer from above
+  (``cost_model/timeline.py``'s [Note: pending buffers across DDP segments]), so only plans that shard every unit
+  are held (least-memory plans do; one that shards nothing is left to the solve, which weighs it apart). An option
+  of the plan that the solve at the other size prunes is dominated there by one no larger in any term
+  (``solver/ilp.py``'s ``_prune``), so the solve there has a plan at most as large.
 
 A probe at the requested batch size and at the largest one found repeat solves of the same profile: those reuse the
 problem built once (``solver/reuse.py``'s [Note: what a planning problem reuses]).
