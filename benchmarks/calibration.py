@@ -9,7 +9,8 @@ embedding, learned positions), profiles it on fake tensors with the built-in fig
 cost model (``cost_model.predict``). The prediction per GPU is the published micro-batch's tokens over the
 micro-batch's step, the optimizer's step spread over the accumulation steps. What a row says beyond a plan is modelled
 here: its attention kernel (``hardware.py``'s ``ATTENTION_KERNEL_SPEED``), torchtitan's selective policy
-(:func:`_with_published_policy`) and the fused kernels that change what the step keeps ([Note: fused kernels]).
+(:func:`_with_published_policy`), the fused kernels it runs ([Note: fused kernels]), how it accumulates gradients
+([Note: accumulation as the source runs it]) and the precision of its loss.
 
 Calibration. The calibrated constants are ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
 [Note: a training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training
@@ -22,12 +23,13 @@ prints how far that is from the exact prediction at the chosen values); every fi
 generation's efficiency is the grid value with the least mean absolute log error of throughput over the calibrating
 runs on that generation: "all" calibrates on every eager run, "held out" predicts each source's runs with the values
 calibrated on the other sources' eager runs only. Runs whose step was compiled (torch.compile) or hand-fused are
-predicted and reported but not calibrated on: the trace is of the eager step, whose memory-bound operators such a step
-fuses away. ``--calibrate-memory`` adds the memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``,
-else kept at its assumed value), traced a third time at half of it and interpolated bilinearly.
+predicted with their fused kernels ([Note: fused kernels]) and reported but not calibrated on: ``osdp plan`` traces a
+model's eager step, so its constants are fitted where that trace is the step. ``--calibrate-memory`` adds the
+memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``, else kept at its assumed value), traced
+a third time at half of it and interpolated bilinearly.
 
-Memory. Beside the allocated peak, the reserved peak and the device total of ``cli/reserved_memory.py``, and whether
-the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
+Memory. Beside the allocated peak, the reserved peak and the device total of ``cost_model/device_memory.py``, and
+whether the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
 ``memory_kind`` of its row).
 
 Run from the repository root: ``python benchmarks/calibration.py`` (two traces and a few predictions per run: about
@@ -38,6 +40,7 @@ FILE`` writes the rows as JSON. It prints the markdown tables that docs/benchmar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -45,12 +48,14 @@ import math
 import statistics
 import sys
 import time
+import unittest.mock
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "llama"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
@@ -64,11 +69,13 @@ from lightning_osdp.cli.hardware import (
     get_hardware,
     get_network,
 )
-from lightning_osdp.cli.reserved_memory import DeviceMemory, plan_device_memory
 from lightning_osdp.cost_model import predict
+from lightning_osdp.cost_model.device_memory import DeviceMemory, plan_device_memory
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile
+
+from llama import apply_rotary as _EAGER_ROTARY
 
 RUNS_FILE = Path(__file__).resolve().with_name("published_runs.json")
 GIB = 2**30
@@ -88,6 +95,10 @@ _MODELS = ("llama", "gpt")
 _STEPS = ("eager", "torch.compile", "fused kernels")
 #: Which operators a run's selective recomputation keeps (see :func:`_with_published_policy`).
 _SELECTIVE_POLICIES = ("osdp", "torchtitan")
+#: How a run accumulates gradients over its micro-batches (see [Note: accumulation as the source runs it]).
+_ACCUMULATIONS = ("reduce_each", "no_sync")
+#: The gradients' reduction dtype where it differs from the parameters' (``reduce_dtype`` of a row).
+_REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: torchtitan's policy recomputes every second ``mm`` of a block: in its Llama's call order (``wq``, ``wk``, ``wv``,
 #: ``wo``, ``w1``, ``w3``, ``w2``) the 2nd, 4th and 6th.
 _TORCHTITAN_RECOMPUTED = ("attention.wk", "attention.wo", "feed_forward.w3")
@@ -125,6 +136,9 @@ class PublishedRun:
     attention: str = "flash-attention-2"
     selective_policy: str = "osdp"
     fused: tuple[str, ...] = ()
+    accumulation: str = "reduce_each"
+    reduce_dtype: str | None = None
+    loss_precision: str = "float32"
     notes: str = ""
 
     @property
@@ -133,8 +147,8 @@ class PublishedRun:
 
     @property
     def calibrates(self) -> bool:
-        """Whether the run's step is the eager step the dry run traces (compiled or hand-fused steps are predicted
-        and reported, not calibrated on)."""
+        """Whether the run's step is the eager step ``osdp plan`` traces (compiled or hand-fused steps are predicted
+        with their fused kernels and reported, not calibrated on)."""
         return self.step == "eager"
 
 
@@ -155,15 +169,22 @@ def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
             ("step", run.step, _STEPS),
             ("attention", run.attention, tuple(ATTENTION_KERNEL_SPEED)),
             ("selective_policy", run.selective_policy, _SELECTIVE_POLICIES),
+            ("accumulation", run.accumulation, _ACCUMULATIONS),
+            ("reduce_dtype", run.reduce_dtype, (None, *_REDUCE_DTYPES)),
+            ("loss_precision", run.loss_precision, ("float32", "logits")),
         ):
             if value not in known:
                 raise ValueError(f"{path}: run {run.id}: {field} {value!r} is not one of {', '.join(known)}")
-        unknown = [k for k in run.fused if k not in _FUSED_KERNELS or (k == "rmsnorm" and run.model != "llama")]
+        unknown = [k for k in run.fused if k not in _FUSED_KERNELS or (k in _LLAMA_ONLY and run.model != "llama")]
         if unknown:
             raise ValueError(
                 f"{path}: run {run.id}: fused kernels {unknown} are not modelled (known: {', '.join(_FUSED_KERNELS)}; "
-                "rmsnorm for Llama only)"
+                f"{', '.join(_LLAMA_ONLY)} for Llama only)"
             )
+        if run.reduce_dtype is not None and run.precision == "bf16-mixed":
+            raise ValueError(f"{path}: run {run.id}: reduce_dtype is for FSDP's policies (bf16-fsdp, bf16-true)")
+        if run.attention == "cudnn" and generation(run) != "hopper":
+            raise ValueError(f"{path}: run {run.id}: cuDNN's attention speed is measured on Hopper only")
         if run.shape.get("context_length") != run.seq_len:
             raise ValueError(f"{path}: run {run.id}: shape's context_length differs from seq_len {run.seq_len}")
         if run.tokens_per_second_per_gpu <= 0 or run.micro_batch < 1 or run.grad_accum < 1:
@@ -180,15 +201,18 @@ def build_model(run: PublishedRun) -> torch.nn.Module:
     (see :data:`_FUSED_KERNELS`)."""
     with torch.device("meta"):
         if run.model == "llama":
-            from llama import LlamaModule, RMSNorm
+            from llama import FeedForward, LlamaModule, RMSNorm
 
             module: torch.nn.Module = LlamaModule(**run.shape)
-            if "rmsnorm" in run.fused:
-                for norm in module.modules():
-                    if isinstance(norm, RMSNorm):
-                        norm.forward = functools.partial(_fused_rms_norm, norm)  # type: ignore[method-assign]
+            for sub in module.modules():
+                if "rmsnorm" in run.fused and isinstance(sub, RMSNorm):
+                    sub.forward = functools.partial(_fused_rms_norm_forward, sub)  # type: ignore[method-assign]
+                if "swiglu" in run.fused and isinstance(sub, FeedForward):
+                    sub.forward = functools.partial(_fused_swiglu_forward, sub)  # type: ignore[method-assign]
             if "cross_entropy" in run.fused:
                 module._loss = functools.partial(_loss_with_fused_cross_entropy, module)  # type: ignore[method-assign]
+            elif run.loss_precision == "logits":
+                module._loss = functools.partial(_loss_in_the_logits_dtype, module)  # type: ignore[method-assign]
         else:
             from gpt import GPTModule
 
@@ -202,74 +226,222 @@ def build_model(run: PublishedRun) -> torch.nn.Module:
 # Some published runs replace the reference model's eager operators by fused kernels (the row's ``fused``): torchtitan's
 # 2024 A100 runs normalise with its Triton ``fused_rmsnorm`` (``norm_type = "fused_rmsnorm"`` in
 # ``train_configs/llama_13b.toml`` and ``llama3_8b.toml`` of the commits that published them); TinyLlama with
-# flash-attn's fused RMSNorm and cross-entropy; llm-foundry's MPT with flash-attn's cross-entropy (its default
-# ``loss_fn: fused_crossentropy``). What such a kernel changes that the dry run must see is first what it
-# keeps for backward: a fused RMSNorm keeps its input and one fp32 inverse root per row, where the eager
-# ``examples/llama`` RMSNorm keeps the fp32 copy of its input and the fp32 normalised values (autograd's saved tensors
-# of ``float``, ``pow``, ``mul``); a fused cross-entropy keeps the logits as they are and one log-sum-exp per row,
-# where the eager loss keeps the fp32 logits and their log-softmax. So each is traced as one autograd function that
-# keeps what the kernel keeps. Its operators are still eager ones inside the function (forward and backward), so its
-# time is an upper bound: these rows' throughput is predicted about as if the kernels were not fused.
-_FUSED_KERNELS = ("rmsnorm", "cross_entropy")
+# flash-attn's fused RMSNorm, rotary and cross-entropy and xformers' SwiGLU (``lit_gpt/config.py`` ``tiny_LLaMA_1b``:
+# ``_norm_class="FusedRMSNorm"``, ``_mlp_class="LLaMAMLP"`` whose forward is ``xformers.ops.SwiGLU``;
+# ``lit_gpt/model.py`` ``apply_rotary_emb_func``, flash-attn's rotary; ``pretrain/tinyllama.py``
+# ``FusedCrossEntropyLoss``); llm-foundry's MPT with flash-attn's cross-entropy (its default ``loss_fn:
+# fused_crossentropy``). A compiled step fuses the same chains (KempnerForge's ``torch.compile(model)``, see the runs'
+# notes): Inductor emits one kernel for the pointwise and reduction operators between two matrix products, so the
+# RMSNorm, the rotary embedding and SwiGLU's ``silu(a) * b`` each become one kernel, as the hand-written ones are
+# (PyTorch 2 paper, Ansel et al., ASPLOS 2024, section 4: "fusion of pointwise, reduction and scatter operators").
+#
+# Such a kernel changes two things the dry run must see. What it keeps for backward: a fused RMSNorm keeps its input
+# and one fp32 inverse root per row, where the eager ``examples/llama`` RMSNorm keeps the fp32 copy of its input and
+# the fp32 normalised values (autograd's saved tensors of ``float``, ``pow``, ``mul``); a fused cross-entropy keeps the
+# logits as they are and one log-sum-exp per row, where the eager loss keeps the fp32 logits and their log-softmax; a
+# fused rotary keeps nothing of its input (its backward is the rotation by the opposite angle); fused SwiGLU keeps its
+# two inputs. And its time: the eager operators each read their inputs from and write their outputs to the device's
+# memory (the reference RMSNorm: six passes over the activation, four of them over fp32 values), where the fused
+# kernel reads its inputs and writes its outputs once. So each fused kernel is an operator of its own
+# (``torch.library.custom_op``), forward and backward, with autograd saving what the kernel saves: the tracer
+# charges an operator without a FLOP formula at the bytes of its tensor arguments and results
+# (``profiling/tracer.py``), which for a fused kernel is exactly one pass over its inputs and outputs at the memory
+# rate. The eager operators inside each one give the values on real tensors (``tests/test_calibration.py`` checks them
+# and their gradients against the reference model's operators).
+_FUSED_KERNELS = ("rmsnorm", "cross_entropy", "rotary", "swiglu")
+_LLAMA_ONLY = ("rmsnorm", "rotary", "swiglu")
 
 
-class _FusedRMSNorm(torch.autograd.Function):
-    """RMSNorm keeping its input and the inverse root of each row (see [Note: fused kernels])."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.float()
-        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return (h * rstd).type_as(x) * weight
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
-        grad_weight = (grad.float() * normed).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
-        g = grad.float() * weight.float()
-        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
-        return grad_x.type_as(x), grad_weight, None
+@torch.library.custom_op("osdp_calibration::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * rstd).type_as(x) * weight, rstd
 
 
-def _fused_rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    return _FusedRMSNorm.apply(x, norm.weight, norm.eps)
+@_rms_norm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-class _FusedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy keeping the logits as they are and one log-sum-exp per row (see [Note: fused
-    kernels])."""
+@torch.library.custom_op("osdp_calibration::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    normed = x.float() * rstd
+    grad_weight = (grad.float() * normed.type_as(x).float()).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+    g = grad.float() * weight.float()
+    grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+    return grad_x.type_as(x), grad_weight
 
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits.float(), dim=-1)
-        picked = logits.gather(-1, targets[:, None]).squeeze(-1).float()
-        ctx.save_for_backward(logits, lse, targets)
-        return (lse - picked).mean()
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # flash-attn's kernel writes the gradient in the logits' dtype, with no float32 copy of them: a new tensor here
-        # (its default), where TinyLlama's ``inplace_backward=True`` writes over the logits (a little less memory).
-        logits, lse, targets = ctx.saved_tensors
-        probabilities = torch.exp(logits - lse[:, None].to(logits.dtype))
-        probabilities.scatter_add_(-1, targets[:, None], torch.full_like(probabilities[:, :1], -1.0))
-        return probabilities.mul_(grad / logits.shape[0]), None
+@_rms_norm_backward.register_fake
+def _(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_grad(ctx: Any, grad: torch.Tensor, _grad_rstd: torch.Tensor) -> tuple[Any, ...]:
+    x, weight, rstd = ctx.saved_tensors
+    return (*_rms_norm_backward(grad, x, weight, rstd), None)
+
+
+_rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``examples/llama``'s RMSNorm as one fused kernel (see [Note: fused kernels])."""
+    return _rms_norm(x, weight, eps)[0]
+
+
+@torch.library.custom_op("osdp_calibration::cross_entropy", mutates_args=())
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    return lse - logits.gather(-1, targets[:, None]).squeeze(-1).float(), lse
+
+
+@_cross_entropy.register_fake
+def _(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = logits.new_empty(logits.shape[:-1], dtype=torch.float32)
+    return rows, torch.empty_like(rows)
+
+
+@torch.library.custom_op("osdp_calibration::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward(
+    grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    # flash-attn's kernel writes the gradient in the logits' dtype, with no float32 copy of them: a new tensor here
+    # (its default), where TinyLlama's ``inplace_backward=True`` writes over the logits (a little less memory).
+    probabilities = torch.exp(logits.float() - lse[:, None])
+    probabilities.scatter_add_(-1, targets[:, None], torch.full_like(probabilities[:, :1], -1.0))
+    return (probabilities * grad[:, None]).to(logits.dtype)
+
+
+@_cross_entropy_backward.register_fake
+def _(grad: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(logits)
+
+
+def _cross_entropy_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    logits, targets = inputs
+    ctx.save_for_backward(logits, output[1], targets)
+
+
+def _cross_entropy_grad(ctx: Any, grad: torch.Tensor, _grad_lse: torch.Tensor) -> tuple[Any, ...]:
+    logits, lse, targets = ctx.saved_tensors
+    return _cross_entropy_backward(grad, logits, lse, targets), None
+
+
+_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+def fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (rows) against ``targets`` as one fused kernel (see [Note: fused kernels])."""
+    return _cross_entropy(logits, targets)[0].mean()
+
+
+@torch.library.custom_op("osdp_calibration::rotary", mutates_args=())
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _EAGER_ROTARY(x, cos, sin)
+
+
+@_rotary.register_fake
+def _(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _rotary_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _rotary_grad(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    cos, sin = ctx.saved_tensors
+    return _rotary(grad, cos, -sin), None, None
+
+
+_rotary.register_autograd(_rotary_grad, setup_context=_rotary_setup)
+
+
+def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``examples/llama``'s ``apply_rotary`` as one fused kernel (see [Note: fused kernels])."""
+    return _rotary(x, cos, sin)
+
+
+@torch.library.custom_op("osdp_calibration::swiglu", mutates_args=())
+def _swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(a) * b
+
+
+@_swiglu.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("osdp_calibration::swiglu_backward", mutates_args=())
+def _swiglu_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = a.float()
+    sigmoid = torch.sigmoid(h)
+    silu = h * sigmoid
+    grad_a = grad.float() * b.float() * sigmoid * (1 + h * (1 - sigmoid))
+    return grad_a.type_as(a), (grad.float() * silu).type_as(b)
+
+
+@_swiglu_backward.register_fake
+def _(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _swiglu_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = ctx.saved_tensors
+    return _swiglu_backward(grad, a, b)
+
+
+_swiglu.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
+
+
+def fused_swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` as one fused kernel (see [Note: fused kernels])."""
+    return _swiglu(a, b)
+
+
+def _fused_rms_norm_forward(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    return fused_rms_norm(x, norm.weight, norm.eps)
+
+
+def _fused_swiglu_forward(ffn: Any, x: torch.Tensor) -> torch.Tensor:
+    return ffn.w2(fused_swiglu(ffn.w1(x), ffn.w3(x)))
 
 
 def _step_with_fused_cross_entropy(module: Any, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``examples/gpt``'s step (``GPTModule._step``: loss, logits, targets) with the fused cross-entropy."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = module(inputs)
-    return _FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten()), logits, targets
+    return fused_cross_entropy(logits.flatten(0, 1), targets.flatten()), logits, targets
 
 
 def _loss_with_fused_cross_entropy(module: Any, batch: torch.Tensor) -> torch.Tensor:
     """``examples/llama``'s loss (``LlamaModule._loss``) with the fused cross-entropy."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = module(inputs)
-    return _FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
+    return fused_cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _loss_in_the_logits_dtype(module: Any, batch: torch.Tensor) -> torch.Tensor:
+    """``examples/llama``'s loss without its float32 copy of the logits (``loss_precision: logits``): the
+    cross-entropy of the logits as the model returns them, as KempnerForge's ``scripts/train.py`` computes it
+    (``F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))`` on a bf16 model's logits)."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    return torch.nn.functional.cross_entropy(module(inputs).flatten(0, 1), targets.flatten())
 
 
 def _precision_plugin(run: PublishedRun) -> Any:
@@ -303,18 +475,72 @@ def trace(run: PublishedRun, module: torch.nn.Module, efficiency: float, memory:
     """The estimated profile of one micro-batch of ``run`` at these rates, with the figures' two network levels."""
     figures = figures_of(run, efficiency, memory)
     batch = torch.zeros((run.micro_batch, run.seq_len + 1), dtype=torch.int64, device="meta")
-    profile = estimated_profile(
+    with _rotary_of(run):
+        profile = _traced(run, module, batch, figures)
+    if run.accumulation == "no_sync" and run.grad_accum > 1:
+        profile = _accumulating_without_sync(run, profile)
+    if run.recompute == "selective" and run.selective_policy == "torchtitan":
+        profile = _with_published_policy(run, module, profile, figures.rates)
+    return profile
+
+
+def _rotary_of(run: PublishedRun) -> contextlib.AbstractContextManager[Any]:
+    """``examples/llama``'s attention with the fused rotary kernel while tracing a run that has it."""
+    if "rotary" not in run.fused:
+        return contextlib.nullcontext()
+    import llama
+
+    return unittest.mock.patch.object(llama, "apply_rotary", fused_rotary)
+
+
+def _traced(run: PublishedRun, module: torch.nn.Module, batch: torch.Tensor, figures: HardwareFigures) -> ModelProfile:
+    return estimated_profile(
         module,
         batch,
         figures,
         optimizer=torch.optim.AdamW,
         step_context=_precision_plugin(run).train_step_context,
-        mixed_precision=BF16_POLICY if run.precision == "bf16-fsdp" else None,
+        mixed_precision=_policy(run),
         world_size=run.world_size,
     )
-    if run.recompute == "selective" and run.selective_policy == "torchtitan":
-        profile = _with_published_policy(run, module, profile, figures.rates)
-    return profile
+
+
+def _policy(run: PublishedRun) -> MixedPrecisionPolicy | None:
+    """FSDP2's mixed-precision policy of the run: bf16 compute with gradients reduced in the row's ``reduce_dtype``
+    where it has one (KempnerForge's ``default_mp_policy`` over bf16 parameters, float32; Fabric's FSDP ``bf16-mixed``
+    over fp32 parameters, bfloat16), else OSDP's bf16 policy (float32 reductions) over fp32 parameters
+    (``bf16-fsdp``), else none."""
+    if run.reduce_dtype is not None:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_REDUCE_DTYPES[run.reduce_dtype])
+    return BF16_POLICY if run.precision == "bf16-fsdp" else None
+
+
+# [Note: accumulation as the source runs it]
+# Two sources accumulate gradients differently. Composer (llm-foundry) runs FSDP1 with gradients reduced every
+# micro-batch (its tables' rows say so): a micro-batch is predicted as a step of its own, the optimizer's step spread
+# over the accumulation (``accumulation: reduce_each``, the default). KempnerForge skips the reduction on all but the
+# last micro-batch (``kempnerforge/training/grad.py`` ``maybe_no_sync`` at 01b461a: FSDP2's
+# ``set_requires_gradient_sync(False)``), so every GPU keeps the *unsharded* gradient of the whole model from the first
+# micro-batch's backward to the last one's and reduce-scatters it once (``accumulation: no_sync``): this is OSDP's own
+# accumulation (``cost_model/timeline.py`` [Note: gradient accumulation]), so the whole step is predicted with the
+# profile's ``gradient_accumulation`` and divided by its micro-batches. What FSDP2 keeps is in the policy's
+# ``reduce_dtype``: after a backward without sync ``FSDPParam.to_accumulated_grad_if_needed`` (torch
+# ``distributed/fsdp/_fully_shard/_fsdp_param.py``) replaces the bf16 gradient by a ``reduce_dtype`` copy, and
+# KempnerForge's policy reduces in float32 over bf16 parameters (``default_mp_policy``), so the held gradient is 4
+# bytes a parameter where the cost model counts the parameters' dtype (``ModuleProfile.grad_bytes``, which in the cost
+# model sizes only the held gradients): those bytes are scaled by the two dtypes' ratio here. For the 8B over 4 GPUs
+# that is 29.9 GiB a GPU the first calibration did not see (published 61.1 GiB allocated against 41.6 predicted).
+# TinyLlama accumulates under Fabric's ``no_backward_sync`` (``pretrain/tinyllama.py``), FSDP1's ``no_sync``, which
+# holds the unsharded gradients in the policy's dtype (Fabric's FSDP ``bf16-mixed``: bf16 parameters, reductions and
+# buffers, so ``reduce_dtype: bfloat16``) over fp32 parameters: half the stored gradient bytes.
+def _accumulating_without_sync(run: PublishedRun, profile: ModelProfile) -> ModelProfile:
+    """``profile`` as ``run`` accumulates without sync (see [Note: accumulation as the source runs it])."""
+    ratio = 1.0  # grad_bytes are of the stored parameters (bf16 under bf16-true, fp32 otherwise)
+    if run.reduce_dtype is not None:
+        stored = torch.bfloat16 if run.precision == "bf16-true" else torch.float32
+        ratio = _REDUCE_DTYPES[run.reduce_dtype].itemsize / stored.itemsize
+    modules = {n: dataclasses.replace(m, grad_bytes=round(m.grad_bytes * ratio)) for n, m in profile.modules.items()}
+    return dataclasses.replace(profile, modules=modules, gradient_accumulation=run.grad_accum)
 
 
 def _with_published_policy(
@@ -438,8 +664,12 @@ def predict_run(traced: TracedRun, efficiency: float, memory: float) -> RowPredi
     plan = published_plan(run, traced.module)
     prediction = predict(profile, plan, figures.topology)
     parts = prediction.step_parts
-    # Accumulation: every micro-batch runs forward, backward and its reductions; the optimizer steps once.
-    micro_step = prediction.step_seconds - parts.get("optimizer", 0.0) * (1.0 - 1.0 / run.grad_accum)
+    if (
+        profile.gradient_accumulation > 1
+    ):  # the whole accumulating step (see [Note: accumulation as the source runs it])
+        micro_step = prediction.step_seconds / profile.gradient_accumulation
+    else:  # every micro-batch runs forward, backward and its reductions; the optimizer steps once
+        micro_step = prediction.step_seconds - parts.get("optimizer", 0.0) * (1.0 - 1.0 / run.grad_accum)
     memory_figures = plan_device_memory(prediction, plan, figures.topology)
     return RowPrediction(
         run.micro_batch * run.seq_len / micro_step, micro_step, memory_figures, figures.memory_bytes or 0

@@ -28,7 +28,7 @@ express them before. torchtitan's published runs also recompute every second mat
 ``_save_list`` policy); OSDP's selective policy keeps them all, so its figures sit above torchtitan's in memory and
 below in recomputed work (``benchmarks/calibration.py`` predicts these runs with torchtitan's policy and kernels).
 ``fits`` says whether the predicted peak fits the GPU's memory less the CUDA reserve and the planner's headroom and the
-device total (``cli/reserved_memory.py``) fits the card, as ``osdp plan`` judges it.
+device total (``cost_model/device_memory.py``) fits the card, as ``osdp plan`` judges it.
 
 Run from the repository root: ``python benchmarks/torchtitan_llama.py [--only NAME]`` (the 405B shape takes most of
 the time: a few minutes on 2 cores). ``--out FILE`` writes the rows as JSON.
@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "llama
 from lightning_osdp.budget import CUDA_RESERVE_BYTES, format_bytes
 from lightning_osdp.cli.estimate import estimated_profile
 from lightning_osdp.cli.hardware import get_hardware
-from lightning_osdp.cli.reserved_memory import plan_device_memory
 from lightning_osdp.cost_model import Prediction, predict
+from lightning_osdp.cost_model.device_memory import plan_device_memory
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import Decision, Plan
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, planned_budget

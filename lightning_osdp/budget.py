@@ -145,6 +145,15 @@ def device_memory_capacity(device: torch.device, local_world_size: int = 1) -> i
     return _available_ram() // max(local_world_size, 1)
 
 
+def card_bytes(device: torch.device | None) -> int | None:
+    """The memory of ``device`` when it is a GPU: the card a plan's device total must fit beside its budget (see
+    ``PlannerOptions.plan``'s [Note: the plan within the card]); ``None`` elsewhere (on CPU the budget is the
+    process's memory, which nothing outside the cost model's count shares with a card)."""
+    if device is None or device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
 def _available_ram() -> int:
     try:
         with open("/proc/meminfo") as f:

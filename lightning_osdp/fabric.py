@@ -85,6 +85,7 @@ from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
 from lightning_osdp.apply.optimizer import prepare_optimizers
 from lightning_osdp.apply.state_dict import SliceMap
 from lightning_osdp.budget import device_memory_capacity, format_bytes
+from lightning_osdp.memory import return_freed_blocks_on
 from lightning_osdp.migration import refuse_foreign_arguments
 from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan
@@ -386,7 +387,9 @@ class OSDPFabricStrategy(ParallelStrategy):
         self._meshes = build_meshes(self.root_device.type, self.topology)
 
     def _set_world_ranks(self) -> None:
-        # Fabric's connector calls it at construction, as on its own DDP strategy.
+        # Fabric's connector calls it at construction, as on its own DDP strategy, once the devices are known: on CPU
+        # the budget is the process's memory from here on (lightning_osdp/memory.py [Note: resident memory on CPU]).
+        return_freed_blocks_on(self.parallel_devices)
         processes.set_world_ranks(self)
 
     @override

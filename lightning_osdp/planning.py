@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from lightning_osdp import checkpoint as osdp_checkpoint
 from lightning_osdp import distributed
 from lightning_osdp._compat import fit_ckpt_path, fit_train_dataloader, tree_leaves
-from lightning_osdp.budget import format_bytes
+from lightning_osdp.budget import card_bytes, format_bytes
 from lightning_osdp.distributed import from_rank_zero
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling.collectives import NodeGroups
@@ -190,7 +190,10 @@ class RunPlanner:
             fits=lambda profile, plan: self.options.fits(profile, plan, self.budget, self.topology),
             solve=lambda profile: self.log.timed(
                 "solving the plan",
-                lambda: from_rank_zero(lambda: self.options.plan(profile, self.budget, self.topology), what="planning"),
+                lambda: from_rank_zero(
+                    lambda: self.options.plan(profile, self.budget, self.topology, card_bytes=card_bytes(self.device)),
+                    what="planning",
+                ),
                 done=lambda plan: f"{_solved(plan)} under {format_bytes(self.budget)} per device",
             ),
             profile=lambda: self.log.timed("profiling the model", profile, done=_profiled),

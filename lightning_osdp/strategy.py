@@ -38,10 +38,10 @@ from lightning_osdp._compat import (
 from lightning_osdp.apply import OSDPModule, ReplicatedModule, applied_root, apply_plan, no_gradient_sync
 from lightning_osdp.apply.materialize import has_meta_tensors, meta_parameters
 from lightning_osdp.apply.optimizer import prepare_optimizers
-from lightning_osdp.budget import device_memory_capacity, format_bytes
+from lightning_osdp.budget import card_bytes, device_memory_capacity, format_bytes
 from lightning_osdp.checkpoint.strategy import CheckpointingStrategy
 from lightning_osdp.distributed import from_rank_zero
-from lightning_osdp.memory import return_freed_blocks
+from lightning_osdp.memory import return_freed_blocks_on
 from lightning_osdp.monitor import OSDPMonitor
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.planning import PlannerOptions, RunPlanner
@@ -344,18 +344,16 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.root_device.type == "cpu":
-            # The budget is the process's memory on CPU: freed large blocks go back to the system
-            # (lightning_osdp/memory.py [Note: resident memory on CPU]).
-            return_freed_blocks()
         # Ranks numbered node by node: rows of the hybrid mesh are shard groups (lightning_osdp/topology.py).
         self._meshes = build_meshes(self.root_device.type, self.topology)
 
     @override
     def set_world_ranks(self) -> None:
         # Lightning calls this when the Trainer is built, once `num_nodes` and `devices` are known: the earliest moment
-        # the shard group can be checked against them.
+        # the shard group can be checked against them, and the devices are known: on CPU the budget is the process's
+        # memory from here on (lightning_osdp/memory.py [Note: resident memory on CPU]).
         _ = self.topology
+        return_freed_blocks_on(self.parallel_devices)
         super().set_world_ranks()
 
     @override
@@ -491,7 +489,8 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             raise ValueError(
                 "plan_for needs a memory budget: give OSDPStrategy(memory_budget=...), or call it after setup"
             )
-        return self._planner.plan(profile, self._memory_budget, world_size or self.topology)
+        card = card_bytes(self.root_device) if self.parallel_devices else None
+        return self._planner.plan(profile, self._memory_budget, world_size or self.topology, card_bytes=card)
 
     @override
     def model_to_device(self) -> None:

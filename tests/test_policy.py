@@ -155,3 +155,30 @@ def test_the_options_are_spelled_once_from_the_strategy_and_the_cli(profile_and_
         assert run.planner == strategy.planner_options
     options = strategy.planner_options
     assert (options.time_limit, options.gap, options.headroom) == (3, 0.01, 0.1)
+
+
+def test_with_a_card_the_plan_is_solved_again_until_its_device_total_fits(
+    profile_and_budget: tuple[object, int],
+) -> None:
+    from lightning_osdp.cost_model.device_memory import plan_device_memory
+    from lightning_osdp.solver.policy import PlannerOptions
+    from lightning_osdp.topology import Topology
+
+    prof, budget = profile_and_budget
+    options, flat = PlannerOptions(), Topology.flat(2)
+
+    def device_total(plan: Plan) -> int:
+        return plan_device_memory(predict(prof, plan, flat), plan, flat).device_total  # type: ignore[arg-type]
+
+    plain = options.plan(prof, budget, 2)  # type: ignore[arg-type]
+    low = minimum_budget(prof, 2)  # type: ignore[arg-type]
+    # A card the budget's plan exceeds (by half of what its allocated peak is above the smallest plan's): what a GPU's
+    # default budget, the card less a fixed reserve, can give where fragmentation is large.
+    card = device_total(plain) - (plain.info["predicted_peak_bytes"] - low) // 2
+    fitted = options.plan(prof, budget, 2, card_bytes=card)  # type: ignore[arg-type]
+    assert device_total(fitted) <= card < device_total(plain)
+    assert fitted.info["predicted_peak_bytes"] < plain.info["predicted_peak_bytes"]
+    assert "solved again" in fitted.info["card"]
+    # A card the plan fits leaves it as it is; so does no card (on CPU, the strategy passes none).
+    kept = options.plan(prof, budget, 2, card_bytes=device_total(plain))  # type: ignore[arg-type]
+    assert kept.decisions == plain.decisions and "card" not in kept.info

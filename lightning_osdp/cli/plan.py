@@ -47,8 +47,8 @@ from lightning_osdp.cli.model import (
 )
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import OPTIMIZERS, PRECISIONS
-from lightning_osdp.cli.reserved_memory import DeviceMemory, plan_device_memory, plan_memory_line
 from lightning_osdp.cost_model import Prediction, predict
+from lightning_osdp.cost_model.device_memory import DeviceMemory, plan_device_memory, plan_memory_line
 from lightning_osdp.options import BF16_POLICY
 from lightning_osdp.plan import MODES, Plan, Recomputation
 from lightning_osdp.profiling import ModelProfile
@@ -140,7 +140,7 @@ class DryRun:
 
     def fits(self, row: StrategyFigures) -> bool:
         """Whether ``row`` fits: its allocated peak within the budget less the headroom, and on a GPU its device
-        total within the card (``cli/reserved_memory.py``)."""
+        total within the card (``cost_model/device_memory.py``)."""
         memory = self.device_memory(row)
         card = self.card_bytes
         return row.prediction.peak_bytes <= self.planned_budget and (memory is None or memory.fits(card or 0))
@@ -385,42 +385,10 @@ def _profiles(run: DryRun, out: Output) -> BatchScaledProfile:
     return BatchScaledProfile(profiles[0], run.batch_size, profiles[1], 2 * run.batch_size)
 
 
-#: Re-solves at most, lowering the budget by what the plan's device total exceeds the card by (see ``_solve``).
-_CARD_ROUNDS = 3
-
-
 def _solve(run: DryRun, profile: ModelProfile) -> Plan:
-    """OSDP's plan under the budget, and on a GPU one whose device total fits the card as well.
-
-    [Note: the plan within the card]
-    The planner holds the allocated peak within the budget; what the card holds beside it (fragmentation of the
-    caching allocator, a share of the step's transient bytes, NCCL's buffers, the CUDA context:
-    ``cli/reserved_memory.py``) is not in its rows. A budget near the card's size (the default, the card less
-    ``CUDA_RESERVE_BYTES``) can then give a plan whose device total exceeds the card, which the comparison would call
-    "does not fit": OSDP's own choice. So where the device total exceeds the card, the plan is solved again under a
-    budget that holds the allocated peak below the plan's by the excess, up to ``_CARD_ROUNDS`` times (the
-    fragmentation is a share of the transient bytes, which a lower budget changes too). A plan that still exceeds
-    the card, or a lower budget no plan meets, keeps the plan found last, and the comparison says it does not fit.
-    """
-    plan = run.planner.plan(profile, run.budget, run.topology)
-    card = run.card_bytes
-    budget = run.budget
-    for _ in range(_CARD_ROUNDS if card else 0):
-        memory = plan_device_memory(predict(profile, plan, run.topology), plan, run.topology)
-        excess = memory.device_total - (card or 0)
-        if excess <= 0:
-            break
-        # The allocated peak must come down by the excess: the budget whose planned share (less the headroom) is that.
-        budget = int((memory.allocated - excess) / (1 - run.planner.memory_headroom))
-        try:
-            plan = run.planner.plan(profile, budget, run.topology)
-        except InfeasibleBudgetError:
-            break
-        plan.info["card"] = (
-            f"solved again under {format_bytes(budget)}: the device total of the plan under the budget was over the "
-            f"{format_bytes(card or 0)} card"
-        )
-    return plan
+    """OSDP's plan under the budget, and on a GPU one whose device total fits the card as well (the strategy's call:
+    ``PlannerOptions.plan``'s [Note: the plan within the card])."""
+    return run.planner.plan(profile, run.budget, run.topology, card_bytes=run.card_bytes)
 
 
 def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> AnyPlanFits:
@@ -732,7 +700,7 @@ def _report(
         "modes: the plan's units by mode; peak/device: the predicted peak of allocated memory; "
         + (
             "device total: with the caching allocator's fragmentation, NCCL's buffers and the CUDA context "
-            "(lightning_osdp/cli/reserved_memory.py); fits: whether the allocated peak fits the budget less the "
+            "(lightning_osdp/cost_model/device_memory.py); fits: whether the allocated peak fits the budget less the "
             f"planner's headroom ({format_bytes(run.planned_budget)}) and the device total the card's "
             f"{format_bytes(run.card_bytes)}; "
             if run.card_bytes is not None

@@ -44,6 +44,9 @@ __all__ = [
     "smallest_memory_plan",
 ]
 
+#: How many times a plan is solved again to fit its card (see [Note: the plan within the card]).
+CARD_ROUNDS = 3
+
 #: The fraction of the memory budget the planner keeps free by default (see [Note: headroom]).
 DEFAULT_MEMORY_HEADROOM = 0.02
 
@@ -265,10 +268,49 @@ class PlannerOptions:
         """Former name of :attr:`solver_gap`."""
         return self.solver_gap
 
-    def plan(self, profile: ModelProfile, budget: int, topology: int | Topology) -> Plan:
+    def plan(
+        self, profile: ModelProfile, budget: int, topology: int | Topology, *, card_bytes: int | None = None
+    ) -> Plan:
         """The fastest plan for ``profile`` that fits ``budget`` less the headroom on ``topology``
-        (:func:`plan_model` with these options)."""
-        return plan_model(profile, budget, topology, gap=self.solver_gap, **self._keywords())
+        (:func:`plan_model` with these options); with ``card_bytes`` (a GPU's memory), one whose device total fits
+        the card as well.
+
+        [Note: the plan within the card]
+        The planner holds the allocated peak within the budget; what the card holds beside it (fragmentation of the
+        caching allocator, a share of the step's transient bytes, NCCL's buffers, the CUDA context:
+        ``lightning_osdp/cost_model/device_memory.py``) is not in its rows. A budget near the card's size (the
+        default, the card less ``CUDA_RESERVE_BYTES``) can then give a plan whose device total exceeds the card: a
+        run that goes out of memory, or a dry run that calls OSDP's own choice "does not fit". So where the device
+        total exceeds the card, the plan is solved again under a budget that holds the allocated peak below the
+        plan's by the excess, up to :data:`CARD_ROUNDS` times (the fragmentation is a share of the transient bytes,
+        which a lower budget changes too). A plan that still exceeds the card, or a lower budget no plan meets,
+        keeps the plan found last (``plan.info["card"]`` says so), and the caller's check of the device total
+        reports it.
+        """
+        plan = plan_model(profile, budget, topology, gap=self.solver_gap, **self._keywords())
+        if not card_bytes:
+            return plan
+        from lightning_osdp.cost_model import predict
+        from lightning_osdp.cost_model.device_memory import plan_device_memory
+
+        topo = topology if isinstance(topology, Topology) else Topology.flat(topology)
+        for _ in range(CARD_ROUNDS):
+            memory = plan_device_memory(predict(profile, plan, topo), plan, topo)
+            excess = memory.device_total - card_bytes
+            if excess <= 0:
+                return plan
+            # The allocated peak must come down by the excess: the budget whose planned share (less the headroom)
+            # is that.
+            budget = int((memory.allocated - excess) / (1 - self.memory_headroom))
+            try:
+                plan = plan_model(profile, budget, topo, gap=self.solver_gap, **self._keywords())
+            except InfeasibleBudgetError:
+                break
+            plan.info["card"] = (
+                f"solved again under {format_bytes(budget)}: the device total of the plan under the budget was over "
+                f"the {format_bytes(card_bytes)} card"
+            )
+        return plan
 
     def smallest_budget(
         self, profile: ModelProfile, topology: int | Topology, *, settle_at: int | str | None = None

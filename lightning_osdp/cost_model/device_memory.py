@@ -135,4 +135,4 @@ def plan_memory_line(prediction: Prediction, plan: Plan, topology: Topology, car
     if card_bytes:
         verdict = "fits" if memory.fits(card_bytes) else "does not fit"
         line += f": {verdict} the {card_bytes / GIB:.0f} GiB card"
-    return line + " (lightning_osdp/cli/reserved_memory.py; published 'memory' figures are mostly the reserved one)"
+    return line + " (lightning_osdp/cost_model/device_memory.py; published 'memory' is mostly the reserved figure)"
