@@ -253,7 +253,7 @@ class OSDPFabricStrategy(ParallelStrategy):
             )
             self._process_group_backend = options.check_process_group_backend(process_group_backend)
             self._timeout = options.check_timeout(
-                timeout, solver_time_limit=self._planner.time_limit, planning=self._plan is None
+                timeout, solver_time_limit=self._planner.solver_time_limit, planning=self._plan is None
             )
             self._memory_budget = options.check_memory_budget(memory_budget)
             self._requested_budget = self._memory_budget

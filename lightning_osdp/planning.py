@@ -213,7 +213,7 @@ class RunPlanner:
         from lightning_osdp.solver import planned_budget
 
         least = -(-sum(p.numel() * p.element_size() for p in module.parameters()) // self.world_size)
-        return least if planned_budget(self.budget, self.options.headroom) < least else None
+        return least if planned_budget(self.budget, self.options.memory_headroom) < least else None
 
     def _refuse(self, least: int, estimate: Callable[[], ModelProfile]) -> NoReturn:
         """The error of a budget below the parameters' floor, with the smallest budget that trains: the planner's own

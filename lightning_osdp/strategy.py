@@ -186,7 +186,7 @@ class OSDPStrategy(CheckpointingStrategy, ProcessGroupStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=options.check_process_group_backend(process_group_backend),
             timeout=options.check_timeout(
-                timeout, solver_time_limit=self._planner.time_limit, planning=self._plan is None
+                timeout, solver_time_limit=self._planner.solver_time_limit, planning=self._plan is None
             ),
             start_method=options.check_start_method(start_method),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -11,10 +12,15 @@ from collections.abc import Callable
 import pytest
 
 from lightning_osdp.cli.batch_search import Probe, largest_batch
+from lightning_osdp.cli.estimate import BatchScaledProfile
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import add_plan_parser
-from lightning_osdp.cli.plan import _fits_osdp, _fits_plan, _profiles, resolve
+from lightning_osdp.cli.plan import DryRun, _fits_osdp, _fits_plan, _profiles, resolve
+from lightning_osdp.cost_model.units import SHARDED_MODES
 from lightning_osdp.plan import Plan
+from lightning_osdp.profiling import ModelProfile
+from lightning_osdp.solver import InfeasibleBudgetError, PlanningProblem
+from lightning_osdp.solver.reuse import reusing_problems
 
 from conftest import ROOT
 
@@ -72,9 +78,10 @@ def test_the_search_answers_what_a_scan_answers_whatever_the_peaks_say(peaks: st
             assert len(made) <= min(plain, 5), (answer, made)
 
 
-def test_osdp_plans_search_equals_a_scan_of_every_batch_size() -> None:
-    """On a small GPT, the largest batch OSDP fits (a minimum-memory solve per probe) and the largest a uniform plan
-    fits (a prediction per probe) are the scan's, and OSDP's search probes fewer sizes than the scan."""
+@pytest.fixture(scope="module")
+def small_gpt() -> tuple[DryRun, BatchScaledProfile]:
+    """A small GPT's dry run on 4 ranks, under a budget that some plan meets up to batch 9 or so (the smallest one
+    at batch 9, from the planner itself), and its profiles at any batch size."""
     init = {"width": 64, "depth": 4, "heads": 4, "context_length": 64, "vocab_size": 256}
     parser = argparse.ArgumentParser()
     add_plan_parser(parser.add_subparsers())
@@ -83,10 +90,16 @@ def test_osdp_plans_search_equals_a_scan_of_every_batch_size() -> None:
     out = Output(quiet=True)
     run = resolve(parser.parse_args(argv), out)
     scaled = _profiles(run, out)
-    # A budget that some plan meets up to batch 9 or so: the smallest one at batch 9, from the planner itself.
     run.budget = run.planner.smallest_budget(scaled.at(9), run.topology)
+    return run, scaled
+
+
+def test_osdp_plans_search_equals_a_scan_of_every_batch_size(small_gpt: tuple[DryRun, BatchScaledProfile]) -> None:
+    """On a small GPT, the largest batch OSDP fits (a minimum-memory solve per probe) and the largest a uniform plan
+    fits (a prediction per probe) are the scan's, and OSDP's search probes fewer sizes than the scan."""
+    run, scaled = small_gpt
+    scan = [_fits_osdp(run, scaled)(b).fits for b in range(1, 25)]  # each size from scratch
     osdp_probe = _fits_osdp(run, scaled)
-    scan = [osdp_probe(b).fits for b in range(1, 25)]
     assert scan[0] and not scan[-1]
     expected = max(b for b, fits in enumerate(scan, 1) if fits)
     assert all(scan[:expected]) and not any(scan[expected:]), scan  # what the search relies on
@@ -102,3 +115,58 @@ def test_osdp_plans_search_equals_a_scan_of_every_batch_size() -> None:
     plan_probe = _fits_plan(run, scaled, fsdp, {})
     plan_scan = [plan_probe(b).fits for b in range(1, 41)]
     assert largest_batch(plan_probe, run.planned_budget) == sum(plan_scan) > 0
+
+
+def test_a_probe_answered_by_a_plan_held_from_an_earlier_one_answers_as_a_solve_from_scratch(
+    small_gpt: tuple[DryRun, BatchScaledProfile],
+) -> None:
+    """OSDP's probe predicts the plans that fitted earlier probes before it solves ([Note: what one probe tells the
+    next]): at every size of a scan, up and down, its answer is that of a probe with nothing held, and held plans
+    answered some of them."""
+    run, scaled = small_gpt
+    carried = _fits_osdp(run, scaled)
+    sizes = [*range(1, 25), *range(24, 0, -3)]
+    for b in sizes:
+        fresh = _fits_osdp(run, scaled)(b)
+        held = carried(b)
+        assert held.fits == fresh.fits, b
+        if held.fits:
+            assert held.peak <= run.budget
+        else:
+            assert held.peak == fresh.peak  # solved, as from scratch
+    assert carried.answered_by_held > 0 and carried.solved + carried.answered_by_held == len(sizes)
+    assert all(d.mode in SHARDED_MODES for plan in carried.held for d in plan.decisions.values())
+
+
+def test_a_problem_reused_within_the_scope_gives_the_plan_solved_from_scratch(
+    small_gpt: tuple[DryRun, BatchScaledProfile],
+) -> None:
+    """Within ``reusing_problems`` a second problem of the same profile and options takes the first one's state, and
+    the plans solved through it (at several batch sizes, budgets and for the least memory) are those solved from
+    scratch; another batch size (another profile) is another problem."""
+    run, scaled = small_gpt
+    sizes, budgets = (1, 5, 9), (run.budget, int(run.budget * 0.9))
+    scratch = {(b, m): _solved(run, scaled.at(b), m) for b in sizes for m in budgets}
+    smallest = {b: run.planner.smallest_plan(scaled.at(b), run.topology) for b in sizes}
+    with reusing_problems():
+        first = PlanningProblem(scaled.at(1), run.topology)
+        assert PlanningProblem(scaled.at(1), run.topology).spec is first.spec
+        assert PlanningProblem(scaled.at(5), run.topology).spec is not first.spec
+        for _ in range(2):
+            for b in sizes:
+                for m in budgets:
+                    assert _solved(run, scaled.at(b), m) == scratch[(b, m)], (b, m)
+                plan, budget = run.planner.smallest_plan(scaled.at(b), run.topology)
+                assert (plan.decisions, budget) == (smallest[b][0].decisions, smallest[b][1])
+    assert PlanningProblem(scaled.at(1), run.topology).spec is not first.spec  # nothing kept outside the scope
+
+
+def _solved(run: DryRun, profile: ModelProfile, budget: int) -> tuple[object, ...]:
+    """The plan for ``budget`` and what its report says (its solve's seconds apart)."""
+    try:
+        plan = run.planner.plan(profile, budget, run.topology)
+    except InfeasibleBudgetError as err:
+        return ("infeasible", err.minimum)
+    assert plan.report is not None
+    report = dataclasses.replace(plan.report, solve_seconds=0.0, solver_seconds=0.0)
+    return plan.decisions, report

@@ -114,8 +114,12 @@ def test_the_gap_reaches_the_solve_from_the_strategy_and_the_cli(profile_and_bud
         assert plan.report.status in ("optimal", "within gap 0.05")
     default = resolve(_dry_run_args("--memory", str(budget), "--world-size", "2"), Output(quiet=True))
     assert default.planner.solver_gap == 1e-3 == OSDPStrategy().planner_options.solver_gap
-    with pytest.raises(CLIError, match=r"--gap: gap must be in \[0, 1\)"):
+    with pytest.raises(CLIError, match=r"--solver-gap: gap must be in \[0, 1\)"):
         resolve(_dry_run_args("--memory", str(budget), "--world-size", "2", "--gap", "1"), Output(quiet=True))
+    with pytest.raises(CLIError, match=r"--memory-headroom must be in \[0, 0.5\), got 0.5"):
+        resolve(_dry_run_args("--memory", str(budget), "--world-size", "2", "--headroom", "0.5"), Output(quiet=True))
+    with pytest.raises(CLIError, match=r"--max-split must be an integer >= 1, got 0"):
+        resolve(_dry_run_args("--memory", str(budget), "--world-size", "2", "--max-split", "0"), Output(quiet=True))
     with pytest.raises(ValueError, match=r"gap must be in \[0, 1\)"):
         solve(prof, budget, 2, gap=-0.1)  # type: ignore[arg-type]
 

@@ -13,6 +13,35 @@ crosses the budget, and the next probe goes there (then to its neighbour, which 
 right). A guess may do worse than the plain step (doubling, then halving): there are never more such misses than
 plain steps, so that the search never takes much more than twice the probes the plain steps alone would. The guesses
 choose which probes run, never the answer: it is the one the bracket proves, whatever the peaks said.
+
+[Note: what one probe tells the next]
+OSDP's probe asks whether *some* plan fits at ``b``: a minimum-memory solve, stopped as soon as it holds a plan under
+the budget or proves a bound above it (``settle_at``). What is true at one batch size and can be carried to another:
+
+* *No plan fits at b*: then none fits at any larger size, since every instant of a plan's step is its parameters',
+  gradients' and optimizer state's bytes, which do not depend on the batch, plus activations and buffers of
+  activations, which do not shrink as it grows (every figure is affine in ``b``, ``estimate.py``'s [Note: batch
+  size], with a slope that is a size of a batch's tensors). That is the bracket's upper end: no larger size is
+  probed again. (A smallest peak proved at ``b`` is also a lower bound at every larger size; but the question is
+  only asked below the smallest size known not to fit, where such a bound is under the budget and decides nothing,
+  so none is carried.)
+* *A plan fits at b*: the plan the probe found is a plan at every other size too (the planning units are chosen from
+  parameter bytes, a segment's options from those and whether its modules save activations at all:
+  ``solver/candidates.py``), and its peak there is one prediction, where a solve simulates every option of every
+  segment. So a later probe first predicts the plans that fitted before, the latest first (:data:`_HELD`): one that
+  fits answers "yes", with its peak as the probe's figure; only when none fits does the solve run. The answer is
+  the solve's, whatever the peaks do between sizes (each "yes" is checked at its own size): the solve's minimum is
+  at most that plan's peak, so the largest batch, and the plan solved there, are those of a search without held
+  plans (``tests/test_batch_search.py``). The peak compared must be the one the solve judges a plan by, the larger
+  of the prediction and the ILP's rows (``solver/ilp.py``'s ``_minimum``). The two are the same walk on the same
+  numbers except after a ``no_shard`` segment, where the ILP bounds FSDP2's pending buffer from above
+  (``cost_model/timeline.py``'s [Note: pending buffers across DDP segments]), so only plans that shard every unit
+  are held (least-memory plans do; one that shards nothing is left to the solve, which weighs it apart). An option
+  of the plan that the solve at the other size prunes is dominated there by one no larger in any term
+  (``solver/ilp.py``'s ``_prune``), so the solve there has a plan at most as large.
+
+A probe at the requested batch size and at the largest one found repeat solves of the same profile: those reuse the
+problem built once (``solver/reuse.py``'s [Note: what a planning problem reuses]).
 """
 
 from __future__ import annotations
@@ -21,7 +50,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Probe", "largest_batch"]
+from lightning_osdp.cost_model import predict
+from lightning_osdp.cost_model.units import SHARDED_MODES
+from lightning_osdp.plan import Plan
+from lightning_osdp.profiling import ModelProfile
+from lightning_osdp.solver.policy import PlannerOptions, planned_budget, with_headroom
+from lightning_osdp.topology import Topology
+
+__all__ = ["AnyPlanFits", "Probe", "largest_batch"]
+
+#: How many plans that fitted an OSDP probe are predicted first at the next one, the latest first.
+_HELD = 2
 
 
 @dataclass(frozen=True)
@@ -85,3 +124,47 @@ def _crossing(points: list[tuple[int, float]], budget: float) -> int | None:
         return None
     crossing = b2 + (budget - p2) / ((p2 - p1) / (b2 - b1))
     return math.floor(crossing) if math.isfinite(crossing) else None
+
+
+class AnyPlanFits:
+    """OSDP's probe: whether some plan fits ``budget`` at a batch size, with what earlier probes found carried to the
+    next (see [Note: what one probe tells the next]).
+
+    Args:
+        planner: the planner's options (the solve's).
+        topology: the ranks.
+        budget: the memory budget (the planner holds plans to its planned share, less the headroom).
+        profile_at: the profile at a batch size.
+    """
+
+    def __init__(
+        self,
+        planner: PlannerOptions,
+        topology: Topology,
+        budget: int,
+        profile_at: Callable[[int], ModelProfile],
+    ) -> None:
+        self.planner = planner
+        self.topology = topology
+        self.budget = budget
+        self.profile_at = profile_at
+        #: plans that fitted earlier probes and shard every unit, the latest last
+        self.held: list[Plan] = []
+        #: how many probes a held plan answered, and how many a solve did
+        self.answered_by_held = 0
+        self.solved = 0
+
+    def __call__(self, batch_size: int) -> Probe:
+        profile = self.profile_at(batch_size)
+        planned = planned_budget(self.budget, self.planner.memory_headroom)
+        for plan in reversed(self.held):
+            peak = predict(profile, plan, self.topology).peak_bytes
+            if peak <= planned:
+                self.answered_by_held += 1
+                return Probe(True, with_headroom(peak, self.planner.memory_headroom))
+        self.solved += 1
+        plan, smallest = self.planner.smallest_plan(profile, self.topology, settle_at=self.budget)
+        fits = smallest <= self.budget
+        if fits and all(d.mode in SHARDED_MODES for d in plan.decisions.values()) and plan not in self.held:
+            self.held = [*self.held, plan][-_HELD:]
+        return Probe(fits, smallest)

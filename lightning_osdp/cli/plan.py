@@ -33,7 +33,7 @@ from torch import nn
 
 from lightning_osdp.budget import CUDA_RESERVE_BYTES, check_memory_budget, format_bytes
 from lightning_osdp.cli.batch import BatchSource, batch_source
-from lightning_osdp.cli.batch_search import Probe, largest_batch
+from lightning_osdp.cli.batch_search import AnyPlanFits, Probe, largest_batch
 from lightning_osdp.cli.errors import CLIError
 from lightning_osdp.cli.estimate import BatchScaledProfile, estimated_profile
 from lightning_osdp.cli.hardware import HARDWARE, HardwareFigures, get_hardware, get_network, hardware_from_file
@@ -55,6 +55,7 @@ from lightning_osdp.profiling import ModelProfile
 from lightning_osdp.solver import InfeasibleBudgetError, format_plan
 from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.policy import DEFAULT_MEMORY_HEADROOM, PlannerOptions, planned_budget
+from lightning_osdp.solver.reuse import reusing_problems
 from lightning_osdp.topology import Topology, TopologyError
 
 __all__ = ["BASELINES", "MFU_CONVENTIONS", "DryRun", "StrategyFigures", "model_flops_utilization", "run"]
@@ -232,6 +233,18 @@ def _modes(text: str | None, config: RunConfig) -> tuple[str, ...]:
     return tuple(names)
 
 
+#: The flag that fills each of the planner's options (``PlannerOptions``' fields, the strategy's arguments).
+_PLANNER_FLAGS = {
+    "modes": "--modes",
+    "max_split": "--max-split",
+    "activation_checkpointing": "--activation-checkpointing",
+    "solver_time_limit": "--solver-time-limit",
+    "memory_headroom": "--memory-headroom",
+    "solver": "--solver",
+    "solver_gap": "--solver-gap",
+}
+
+
 def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     """Read the options and configs, build the model on the meta device; every user error is a :class:`CLIError`."""
     config = read_configs(args.config)
@@ -291,26 +304,23 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
     if accumulation < 1:
         raise CLIError(f"--accumulate-grad-batches must be at least 1, got {accumulation}")
     optimizer, optimizer_note = _optimizer(args.optimizer, model)
-    max_split = args.max_split if args.max_split is not None else (config.max_split or 8)
-    if max_split < 1:
-        raise CLIError(f"--max-split must be at least 1, got {max_split}")
     headroom = args.memory_headroom if args.memory_headroom is not None else config.memory_headroom
-    if headroom is None:
-        headroom = DEFAULT_MEMORY_HEADROOM
-    if not 0.0 <= headroom < 0.5:
-        raise CLIError(f"--headroom must be in [0, 0.5), got {headroom}")
     try:
+        # Checked once, where the strategy checks its arguments; the errors name the flags.
         planner = PlannerOptions.checked(
             modes=_modes(args.modes, config),
-            max_split=max_split,
+            max_split=args.max_split if args.max_split is not None else (config.max_split or 8),
             activation_checkpointing=_recompute(args.activation_checkpointing, config),
             solver_time_limit=args.solver_time_limit,
-            memory_headroom=headroom,
+            memory_headroom=DEFAULT_MEMORY_HEADROOM if headroom is None else headroom,
             solver=args.solver,
-            solver_gap=_gap(args.solver_gap),
+            solver_gap=args.solver_gap,
         )
     except (TypeError, ValueError) as err:
-        raise CLIError(str(err)) from None
+        message = str(err)
+        for argument, flag in _PLANNER_FLAGS.items():
+            message = message.replace(f"OSDPStrategy({argument}=...)", flag)
+        raise CLIError(message) from None
     return DryRun(
         model=model,
         model_name=type(model).__name__,
@@ -330,16 +340,6 @@ def resolve(args: argparse.Namespace, out: Output) -> DryRun:
         tokens_per_sample=tokens_per_sample,
         accumulation=accumulation,
     )
-
-
-def _gap(value: float) -> float:
-    """``--gap``, checked (a relative optimality gap in [0, 1))."""
-    from lightning_osdp.solver.ilp import check_gap
-
-    try:
-        return check_gap(value)
-    except ValueError as err:
-        raise CLIError(f"--gap: {err}") from None
 
 
 def _recompute(flag: str | None, config: RunConfig) -> Recompute:
@@ -396,16 +396,8 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
     return run.planner.plan(profile, run.budget, run.topology, card_bytes=run.card_bytes)
 
 
-def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> Callable[[int], Probe]:
-    def fits(batch_size: int) -> Probe:
-        smallest = run.planner.smallest_budget(
-            scaled.at(batch_size),
-            run.topology,
-            settle_at=run.budget,  # only whether some plan fits: settled sooner than the minimum is proved
-        )
-        return Probe(smallest <= run.budget, smallest)
-
-    return fits
+def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> AnyPlanFits:
+    return AnyPlanFits(run.planner, run.topology, run.budget, scaled.at)
 
 
 def _infeasible(run: DryRun, err: InfeasibleBudgetError, scaled: BatchScaledProfile, out: Output) -> CLIError:
@@ -767,7 +759,8 @@ def run(args: argparse.Namespace, out: Output) -> int:
     dry = resolve(args, out)
     dry.seconds["model"] = time.perf_counter() - start
     scaled = _profiles(dry, out)
-    rows = compare(dry, scaled, out, search=not args.no_search)
+    with reusing_problems():  # the same profile is solved more than once (solver/reuse.py)
+        rows = compare(dry, scaled, out, search=not args.no_search)
     _report(dry, scaled, rows, out, mfu_convention=args.mfu_convention, all_units=args.all_units)
     if args.out:
         _save(dry, scaled, rows[0].plan, args.out, out)

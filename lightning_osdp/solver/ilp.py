@@ -138,6 +138,7 @@ from lightning_osdp.cost_model.units import SHARDED_MODES
 from lightning_osdp.plan import MODES, Decision, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solve_report import SolveReport
+from lightning_osdp.solver import reuse
 from lightning_osdp.solver.candidates import (
     RECOMPUTE_CHOICES,
     Candidates,
@@ -160,6 +161,7 @@ __all__ = [
     "check_gap",
     "check_solver",
     "minimum_budget",
+    "minimum_plan",
     "solve",
 ]
 
@@ -414,8 +416,17 @@ class PlanningProblem:
         _check_options(modes, splits)
         if not any(recompute is c or (isinstance(c, str) and recompute == c) for c in RECOMPUTE_CHOICES):
             raise ValueError(f"recompute must be True, False, 'auto', 'selective' or 'full', got {recompute!r}")
+        topology = as_topology(world_size, profile)
+        units = None if units is None else tuple(units)
+        key = reuse.problem_key(
+            profile, topology, modes=modes, splits=splits, units=units, config=config, recompute=recompute
+        )
+        known = reuse.known_problem(key)
+        if known is not None:  # the same arguments: the same problem ([Note: what a planning problem reuses])
+            self.__dict__.update(known.__dict__)
+            return
         self.profile = profile
-        self.topology = as_topology(world_size, profile)
+        self.topology = topology
         self.world_size = self.topology.world_size
         self.modes = _distinct_modes(modes, self.topology)
         self.splits = tuple(sorted(set(splits)))
@@ -437,6 +448,7 @@ class PlanningProblem:
         self.option_count = sum(len(s.options) for s in items if isinstance(s, SegmentChoice))
         self.option_count += sum(len(g.options) for g in globals_)
         self.spec: TimelineInput[LinExpr] = self._timeline_input(globals_, items)
+        reuse.remember_problem(key, self)
 
     def _global_units(self) -> list[tuple[str, tuple[str, ...], list[str]]]:
         """The root and each tied list group: key (the first holder), holders, covered modules."""
@@ -1192,6 +1204,39 @@ def minimum_budget(
     a plan within it (the minimum it would end with is no larger) or proves a bound above it (the minimum can be no
     smaller), and the value returned is then at most ``settle_at`` exactly when the minimum is (``osdp plan``'s batch
     search asks this)."""
+    return minimum_plan(
+        profile,
+        world_size,
+        modes=modes,
+        max_split=max_split,
+        splits=splits,
+        units=units,
+        config=config,
+        gap=gap,
+        time_limit=time_limit,
+        recompute=recompute,
+        solver=solver,
+        settle_at=settle_at,
+    )[1]
+
+
+def minimum_plan(
+    profile: ModelProfile,
+    world_size: int | Topology | None = None,
+    *,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    splits: Sequence[int] = (1, 2, 4, 8),
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+    gap: float = 1e-6,
+    time_limit: float = 10.0,
+    recompute: Recompute = "auto",
+    solver: str = DEFAULT_SOLVER,
+    settle_at: int | None = None,
+) -> tuple[Plan, int]:
+    """:func:`minimum_budget` and the plan that reaches it (with ``settle_at``, the plan that settled the question:
+    one at or under it when the value is)."""
     check_solver(solver)
     problem = PlanningProblem(
         profile,
@@ -1202,8 +1247,7 @@ def minimum_budget(
         config=config,
         recompute=recompute,
     )
-    _, minimum = _minimum(problem, gap=gap, time_limit=time_limit, solver=solver, settle_at=settle_at)
-    return minimum
+    return _minimum(problem, gap=gap, time_limit=time_limit, solver=solver, settle_at=settle_at)
 
 
 def _minimum(

@@ -32,10 +32,17 @@ from lightning_osdp.cost_model.config import CostModelConfig
 from lightning_osdp.plan import MODES, Plan
 from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
-from lightning_osdp.solver.ilp import DEFAULT_GAP, DEFAULT_SOLVER, InfeasibleBudgetError, minimum_budget, solve
+from lightning_osdp.solver.ilp import DEFAULT_GAP, DEFAULT_SOLVER, InfeasibleBudgetError, minimum_plan, solve
 from lightning_osdp.topology import Topology
 
-__all__ = ["DEFAULT_MEMORY_HEADROOM", "PlannerOptions", "plan_model", "planned_budget", "smallest_memory_budget"]
+__all__ = [
+    "DEFAULT_MEMORY_HEADROOM",
+    "PlannerOptions",
+    "plan_model",
+    "planned_budget",
+    "smallest_memory_budget",
+    "smallest_memory_plan",
+]
 
 #: How many times a plan is solved again to fit its card (see [Note: the plan within the card]).
 CARD_ROUNDS = 3
@@ -112,7 +119,7 @@ def plan_model(
             solver=solver,
         )
     except InfeasibleBudgetError as err:
-        needed = _with_headroom(err.minimum, headroom)
+        needed = with_headroom(err.minimum, headroom)
         message = str(err)
         if headroom > 0:
             message += (
@@ -146,8 +153,39 @@ def smallest_memory_budget(
     With ``settle_at`` (a budget) only "does some plan fit it?" is asked, and answered sooner: the value returned is
     at most ``settle_at`` exactly when the smallest budget is (:func:`~lightning_osdp.solver.minimum_budget`'s
     ``settle_at``; ``osdp plan``'s batch search asks this)."""
+    return smallest_memory_plan(
+        profile,
+        world_size,
+        headroom=headroom,
+        modes=modes,
+        max_split=max_split,
+        time_limit=time_limit,
+        units=units,
+        config=config,
+        recompute=recompute,
+        solver=solver,
+        settle_at=settle_at,
+    )[1]
+
+
+def smallest_memory_plan(
+    profile: ModelProfile,
+    world_size: int | Topology | None = None,
+    *,
+    headroom: float = DEFAULT_MEMORY_HEADROOM,
+    modes: Sequence[str] = MODES,
+    max_split: int = 8,
+    time_limit: float = 10.0,
+    units: Iterable[str] | None = None,
+    config: CostModelConfig | None = None,
+    recompute: Recompute = "auto",
+    solver: str = DEFAULT_SOLVER,
+    settle_at: int | str | None = None,
+) -> tuple[Plan, int]:
+    """:func:`smallest_memory_budget` and the plan whose peak it is (with ``settle_at``, the plan that settled the
+    question: :func:`~lightning_osdp.solver.ilp.minimum_plan`)."""
     headroom = _check_headroom(headroom)
-    minimum = minimum_budget(
+    plan, minimum = minimum_plan(
         profile,
         world_size,
         modes=modes,
@@ -159,10 +197,10 @@ def smallest_memory_budget(
         solver=solver,
         settle_at=None if settle_at is None else planned_budget(settle_at, headroom),
     )
-    return _with_headroom(minimum, headroom)
+    return plan, with_headroom(minimum, headroom)
 
 
-def _with_headroom(planned: int, headroom: float) -> int:
+def with_headroom(planned: int, headroom: float) -> int:
     """The smallest budget whose planned share (:func:`planned_budget`) is at least ``planned``."""
     needed = math.ceil(planned / (1 - headroom))
     while int(needed * (1 - headroom)) < planned:
@@ -279,6 +317,12 @@ class PlannerOptions:
     ) -> int:
         """:func:`smallest_memory_budget` with these options (``settle_at`` as there)."""
         return smallest_memory_budget(profile, topology, settle_at=settle_at, **self._keywords())
+
+    def smallest_plan(
+        self, profile: ModelProfile, topology: int | Topology, *, settle_at: int | str | None = None
+    ) -> tuple[Plan, int]:
+        """:func:`smallest_memory_plan` with these options: :meth:`smallest_budget` and the plan whose peak it is."""
+        return smallest_memory_plan(profile, topology, settle_at=settle_at, **self._keywords())
 
     def _keywords(self) -> dict[str, Any]:
         """These options in the solver's spelling: the one place the two meet."""
