@@ -269,6 +269,8 @@ def test_batch_scaled_profile_equals_a_profile_made_at_that_batch_size() -> None
         assert got.fwd_seconds == pytest.approx(direct.fwd_seconds, rel=1e-9, abs=1e-15), name
         assert got.bwd_seconds == pytest.approx(direct.bwd_seconds, rel=1e-9, abs=1e-15), name
     assert scaled.extra_activation_bytes == at[7].extra_activation_bytes
+    assert at[7].loss is not None and at[7].loss.output_bytes > at[4].loss.output_bytes  # type: ignore[union-attr]
+    assert scaled.loss == at[7].loss, "the loss region (the logits) grows with the batch too"
     assert scaled.step_overhead_seconds == pytest.approx(at[7].step_overhead_seconds, rel=1e-9)
     assert scaled.batch["tensors"][0]["shape"] == [7, 33]
 

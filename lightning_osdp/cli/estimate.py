@@ -90,18 +90,24 @@ def estimated_profile(
     )
 
 
-def _affine(low: Any, high: Any, t: float) -> Any:
+def _affine(low: Any, high: Any, t: float, signed: bool = False) -> Any:
     value = low + (high - low) * t
-    return max(round(value), 0) if isinstance(low, int) and isinstance(high, int) else max(value, 0.0)
+    if isinstance(low, int) and isinstance(high, int):
+        value = round(value)
+    return value if signed else max(value, 0)
 
 
-def _scaled_fields(obj: Any, low: Any, high: Any, t: float, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+def _scaled_fields(
+    obj: Any, low: Any, high: Any, t: float, skip: frozenset[str] = frozenset(), signed: bool = False
+) -> dict[str, Any]:
+    """``obj``'s number fields that differ between ``low`` and ``high``, at ``t`` of the way from one to the other
+    (clamped at zero unless ``signed``: a loss region's figures are differences, and may be negative)."""
     changes = {}
     for f in dataclasses.fields(obj):
         a, b = getattr(low, f.name), getattr(high, f.name)
         if f.name in skip or isinstance(a, bool) or not isinstance(a, (int, float)) or a == b:
             continue
-        changes[f.name] = _affine(a, b, t)
+        changes[f.name] = _affine(a, b, t, signed)
     return changes
 
 
@@ -135,6 +141,10 @@ class BatchScaledProfile:
         result = dataclasses.replace(
             self.low, modules=modules, **_scaled_fields(self.low, self.low, self.high, t, skip=_NOT_SCALED)
         )
+        if self.low.loss is not None and self.high.loss is not None:  # the logits and their loss grow with the batch
+            result.loss = dataclasses.replace(
+                self.low.loss, **_scaled_fields(self.low.loss, self.low.loss, self.high.loss, t, signed=True)
+            )
         result.info = {
             **copy.deepcopy(self.low.info),
             "batch_scaling": {"batch_size": batch_size, "profiled_at": [self.low_batch, self.high_batch]},
