@@ -16,6 +16,7 @@ from lightning_osdp.cli.estimate import BatchScaledProfile
 from lightning_osdp.cli.output import Output
 from lightning_osdp.cli.parsers import add_plan_parser
 from lightning_osdp.cli.plan import DryRun, _fits_osdp, _fits_plan, _profiles, resolve
+from lightning_osdp.cost_model import predict
 from lightning_osdp.cost_model.units import SHARDED_MODES
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile
@@ -170,3 +171,27 @@ def _solved(run: DryRun, profile: ModelProfile, budget: int) -> tuple[object, ..
     assert plan.report is not None
     report = dataclasses.replace(plan.report, solve_seconds=0.0, solver_seconds=0.0)
     return plan.decisions, report
+
+
+def test_on_a_gpu_osdp_s_largest_batch_is_where_a_plan_also_fits_the_card(
+    small_gpt: tuple[DryRun, BatchScaledProfile],
+) -> None:
+    """With a card, OSDP's probe asks that a plan fit it as well (its device total: the allocator's fragmentation,
+    NCCL's buffers, the CUDA context); the search finds the scan's largest batch, smaller than the budget alone
+    allows, and the plan the run would take there fits the card."""
+    from lightning_osdp.cli.batch_search import AnyPlanFits
+    from lightning_osdp.cost_model.device_memory import plan_device_memory
+
+    run, scaled = small_gpt
+
+    def device_total(plan: Plan, b: int) -> int:
+        return plan_device_memory(predict(scaled.at(b), plan, run.topology), plan, run.topology).device_total
+
+    card = device_total(run.planner.plan(scaled.at(5), run.budget, run.topology), 5)
+    scan = [AnyPlanFits(run.planner, run.topology, run.budget, scaled.at, card)(b).fits for b in range(1, 25)]
+    expected = max(b for b, fits in enumerate(scan, 1) if fits)
+    assert all(scan[:expected]) and not any(scan[expected:]), scan
+    assert 5 <= expected < largest_batch(_fits_osdp(run, scaled), run.budget)
+    assert largest_batch(AnyPlanFits(run.planner, run.topology, run.budget, scaled.at, card), run.budget) == expected
+    plan = run.planner.plan(scaled.at(expected), run.budget, run.topology, card_bytes=card)
+    assert device_total(plan, expected) <= card

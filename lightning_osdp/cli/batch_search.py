@@ -50,10 +50,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_osdp.cost_model import predict
+from lightning_osdp.cost_model import Prediction, predict
+from lightning_osdp.cost_model.device_memory import plan_device_memory
 from lightning_osdp.cost_model.units import SHARDED_MODES
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile
+from lightning_osdp.solver.ilp import InfeasibleBudgetError
 from lightning_osdp.solver.policy import PlannerOptions, planned_budget, with_headroom
 from lightning_osdp.topology import Topology
 
@@ -135,6 +137,9 @@ class AnyPlanFits:
         topology: the ranks.
         budget: the memory budget (the planner holds plans to its planned share, less the headroom).
         profile_at: the profile at a batch size.
+        card_bytes: a GPU's memory: a plan must also fit it with what the allocator's figure leaves out (its device
+            total, ``cost_model/device_memory.py``), and where the least-memory plan found does not, the probe asks
+            the plan the run would take (``PlannerOptions.plan``'s [Note: the plan within the card]).
     """
 
     def __init__(
@@ -143,11 +148,13 @@ class AnyPlanFits:
         topology: Topology,
         budget: int,
         profile_at: Callable[[int], ModelProfile],
+        card_bytes: int | None = None,
     ) -> None:
         self.planner = planner
         self.topology = topology
         self.budget = budget
         self.profile_at = profile_at
+        self.card_bytes = card_bytes
         #: plans that fitted earlier probes and shard every unit, the latest last
         self.held: list[Plan] = []
         #: how many probes a held plan answered, and how many a solve did
@@ -158,13 +165,30 @@ class AnyPlanFits:
         profile = self.profile_at(batch_size)
         planned = planned_budget(self.budget, self.planner.memory_headroom)
         for plan in reversed(self.held):
-            peak = predict(profile, plan, self.topology).peak_bytes
-            if peak <= planned:
+            prediction = predict(profile, plan, self.topology)
+            if prediction.peak_bytes <= planned and self._on_card(profile, plan, prediction):
                 self.answered_by_held += 1
-                return Probe(True, with_headroom(peak, self.planner.memory_headroom))
+                return Probe(True, with_headroom(prediction.peak_bytes, self.planner.memory_headroom))
         self.solved += 1
         plan, smallest = self.planner.smallest_plan(profile, self.topology, settle_at=self.budget)
         fits = smallest <= self.budget
+        if fits and not self._on_card(profile, plan):
+            # The least-memory plan found is over the card: whether the run's own plan (solved again to fit the
+            # card, as the run solves it) fits. It is not held: it need not shard every unit.
+            try:
+                fits = self._on_card(
+                    profile, self.planner.plan(profile, self.budget, self.topology, card_bytes=self.card_bytes)
+                )
+            except InfeasibleBudgetError:
+                fits = False
+            return Probe(fits, smallest)
         if fits and all(d.mode in SHARDED_MODES for d in plan.decisions.values()) and plan not in self.held:
             self.held = [*self.held, plan][-_HELD:]
         return Probe(fits, smallest)
+
+    def _on_card(self, profile: ModelProfile, plan: Plan, prediction: Prediction | None = None) -> bool:
+        """Whether ``plan``'s device total fits the card (always, without one)."""
+        if self.card_bytes is None:
+            return True
+        prediction = prediction if prediction is not None else predict(profile, plan, self.topology)
+        return plan_device_memory(prediction, plan, self.topology).fits(self.card_bytes)

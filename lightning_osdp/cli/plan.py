@@ -160,7 +160,8 @@ class StrategyFigures:
             also with ``"+AC"``, every block recomputed, and ``"+SAC"``, every block recomputed selectively).
         plan: the plan predicted (OSDP's from the solver).
         prediction: its prediction at the requested batch size.
-        max_batch: the largest per-device batch size whose peak fits the budget (0: none; ``None``: not searched).
+        max_batch: the largest per-device batch size at which the row fits (:meth:`DryRun.fits_prediction`; 0: none;
+            ``None``: not searched).
         max_batch_seconds: the predicted step time at ``max_batch``.
     """
 
@@ -397,7 +398,7 @@ def _solve(run: DryRun, profile: ModelProfile) -> Plan:
 
 
 def _fits_osdp(run: DryRun, scaled: BatchScaledProfile) -> AnyPlanFits:
-    return AnyPlanFits(run.planner, run.topology, run.budget, scaled.at)
+    return AnyPlanFits(run.planner, run.topology, run.budget, scaled.at, card_bytes=run.card_bytes)
 
 
 def _infeasible(run: DryRun, err: InfeasibleBudgetError, scaled: BatchScaledProfile, out: Output) -> CLIError:
@@ -713,8 +714,8 @@ def _report(
         + f"step ms: the predicted step; samples/s: over all {run.world_size} ranks (- where it does not fit); "
         + tokens,
         (
-            "max batch: the largest per-device batch whose predicted allocated peak fits the budget less the "
-            "headroom (the planner's test; OSDP re-planned at each size), and "
+            "max batch: the largest per-device batch at which the row fits, as 'fits' judges it (OSDP: some plan, "
+            "re-planned at each size), and "
             "@max the figures at it; all figures are affine in the batch size, profiled at "
             f"{scaled.low_batch} and {scaled.high_batch} and interpolated."
             if searched
