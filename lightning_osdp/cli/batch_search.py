@@ -55,8 +55,7 @@ from lightning_osdp.cost_model.device_memory import plan_device_memory
 from lightning_osdp.cost_model.units import SHARDED_MODES
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile
-from lightning_osdp.solver.ilp import InfeasibleBudgetError
-from lightning_osdp.solver.policy import PlannerOptions, planned_budget, with_headroom
+from lightning_osdp.solver.policy import CARD_ROUNDS, PlannerOptions, planned_budget, with_headroom
 from lightning_osdp.topology import Topology
 
 __all__ = ["AnyPlanFits", "Probe", "largest_batch"]
@@ -138,8 +137,9 @@ class AnyPlanFits:
         budget: the memory budget (the planner holds plans to its planned share, less the headroom).
         profile_at: the profile at a batch size.
         card_bytes: a GPU's memory: a plan must also fit it with what the allocator's figure leaves out (its device
-            total, ``cost_model/device_memory.py``), and where the least-memory plan found does not, the probe asks
-            the plan the run would take (``PlannerOptions.plan``'s [Note: the plan within the card]).
+            total, ``cost_model/device_memory.py``). Where the least-memory plan found does not, the question is
+            asked again under the budget lowered by the excess, as the run's plan is solved again
+            (``PlannerOptions.plan``'s [Note: the plan within the card]).
     """
 
     def __init__(
@@ -171,20 +171,24 @@ class AnyPlanFits:
                 return Probe(True, with_headroom(prediction.peak_bytes, self.planner.memory_headroom))
         self.solved += 1
         plan, smallest = self.planner.smallest_plan(profile, self.topology, settle_at=self.budget)
-        fits = smallest <= self.budget
-        if fits and not self._on_card(profile, plan):
-            # The least-memory plan found is over the card: whether the run's own plan (solved again to fit the
-            # card, as the run solves it) fits. It is not held: it need not shard every unit.
-            try:
-                fits = self._on_card(
-                    profile, self.planner.plan(profile, self.budget, self.topology, card_bytes=self.card_bytes)
-                )
-            except InfeasibleBudgetError:
-                fits = False
-            return Probe(fits, smallest)
-        if fits and all(d.mode in SHARDED_MODES for d in plan.decisions.values()) and plan not in self.held:
-            self.held = [*self.held, plan][-_HELD:]
-        return Probe(fits, smallest)
+        if smallest > self.budget:
+            return Probe(False, smallest)
+        budget = self.budget
+        for _ in range(CARD_ROUNDS):
+            if self._on_card(profile, plan):
+                if all(d.mode in SHARDED_MODES for d in plan.decisions.values()) and plan not in self.held:
+                    self.held = [*self.held, plan][-_HELD:]
+                return Probe(True, smallest)
+            # Over the card: whether a plan under the budget lowered by the excess fits, as the run lowers it
+            # (PlannerOptions.plan's [Note: the plan within the card]), asked as a least-memory question again.
+            memory = plan_device_memory(predict(profile, plan, self.topology), plan, self.topology)
+            budget = with_headroom(
+                max(memory.allocated - (memory.device_total - (self.card_bytes or 0)), 0), self.planner.memory_headroom
+            )
+            plan, lowered = self.planner.smallest_plan(profile, self.topology, settle_at=budget)
+            if lowered > budget:
+                break
+        return Probe(False, smallest)
 
     def _on_card(self, profile: ModelProfile, plan: Plan, prediction: Prediction | None = None) -> bool:
         """Whether ``plan``'s device total fits the card (always, without one)."""
