@@ -107,6 +107,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+import numpy as np
 import pulp
 
 from lightning_osdp.budget import format_bytes
@@ -148,7 +149,17 @@ from lightning_osdp.solver.candidates import (
     segment_options,
 )
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
-from lightning_osdp.solver.runs import arrangements, count_rows, find_runs, formulate_master
+from lightning_osdp.solver.runs import (
+    CountBackend,
+    Family,
+    Master,
+    Run,
+    arrangements,
+    count_rows,
+    families,
+    find_runs,
+    formulate_master,
+)
 from lightning_osdp.topology import Topology
 
 __all__ = [
@@ -666,17 +677,22 @@ class PlanningProblem:
         self, be: LinearBackend, incumbent: Incumbent
     ) -> str | tuple[dict[Hashable, Hashable], set[Hashable]] | None:
         """Runs of identical blocks counted, then arranged (see ``runs.py``'s [Note: count and arrange]): the master
-        problem's dual bound is raised, an arrangement that fits every row offered, and when none does the ends held
-        as binaries double, until the plan is proved or :data:`_ENDS` is reached. Returns ``"infeasible"`` when the
-        master (a relaxation) proves no plan fits; when its last arrangement broke a row, that arrangement and the
-        blocks near the ends of its runs (for :meth:`_search_neighbourhood` to repair it); else ``None``."""
+        problem's dual bound is raised, an arrangement that fits every row offered, and when none does the families
+        of the rows it broke are bounded in the master, then the ends held as gaps of one block double, until the plan
+        is proved or :data:`_ENDS` is reached. Returns ``"infeasible"`` when the master (a relaxation) proves no plan
+        fits; when its last arrangement broke a row, that arrangement and the blocks near the ends of its runs (for
+        :meth:`_search_neighbourhood` to repair it); else ``None``."""
         runs = find_runs(be.source)
         if not runs:
             return None
         cb = count_rows(be.source, be.options, runs)
+        every = families(cb, runs)
+        tails = [[f.window[f.centre] - f.before for f in every if f.run == r] for r in range(len(runs))]
+        taken: list[Family] = []  # the families the master bounds (those whose rows an arrangement broke)
         head, tail = 1, 2
         while not incumbent.clock.expired():
-            master = formulate_master(cb, runs, incumbent.rhs, head, tail)
+            cuts = [{*range(1, head + 1), *range(len(run.keys) - tail, len(run.keys))} for run in runs]
+            master = formulate_master(cb, runs, incumbent.rhs, cuts, taken)
             try:
                 _, result = _run_mip(
                     master.prob, dict, gap=incumbent.gap * _MASTER_GAP, clock=incumbent.clock, nodes=_NODES["master"]
@@ -687,21 +703,16 @@ class PlanningProblem:
                 return "infeasible"
             if result.lower is not None:
                 incumbent.raise_bound(result.lower, "count master")
-            chosen, counts = master.read(cb, runs)
-            orders = [arrangements(run, counts[r]) for r, run in enumerate(runs)]
-
-            def place(
-                r: int, order: list[Hashable], plan: dict[Hashable, Hashable], inside: list[range] = master.interiors
-            ) -> dict[Hashable, Hashable]:
-                return {**plan, **dict(zip((runs[r].keys[p] for p in inside[r]), order, strict=True))}
-
-            for r in range(len(runs)):
-                chosen = place(r, orders[r][0], chosen)
-            for r in range(len(runs)):  # the step time is the counts': the order of smallest peak, run by run
-                chosen = min((place(r, order, chosen) for order in orders[r]), key=lambda c: incumbent.score(c)[0])
+            chosen = _arrange(incumbent, runs, master, cb, tails)
             incumbent.offer(chosen)
-            if incumbent.within_gap() or not any(master.interiors) or not master.dropped:
+            if incumbent.within_gap() or not master.relaxed:
                 return None
+            limit = result.objective if incumbent.rhs is None else incumbent.rhs
+            broken = set(np.flatnonzero(be.rows(chosen) > limit + _TOLERANCE).tolist())
+            more = [f for f in every if f not in taken and f.rows & broken]
+            if more:
+                taken += more
+                continue
             if tail >= _ENDS[incumbent.minimises_peak]:
                 ends = {key for run in runs for key in run.keys[:2] + run.keys[-_NEIGHBOURHOOD:]}
                 return (chosen, ends) if not incumbent.fits(incumbent.score(chosen)[0]) else None
@@ -908,6 +919,26 @@ class PlanningProblem:
         return be.peak.total
 
 
+def _arrange(
+    incumbent: Incumbent, runs: Sequence[Run], master: Master, cb: CountBackend, tails: list[list[np.ndarray]]
+) -> dict[Hashable, Hashable]:
+    """The master's solution as a plan: each gap's counts in the order of smallest peak among those tried (see
+    ``runs.py``'s [Note: count and arrange]), gap by gap; its step time is the counts'."""
+    chosen, counts = master.read(cb)
+    orders = [[arrangements(run, c, tails[r]) for c in counts[r]] for r, run in enumerate(runs)]
+    for r, run in enumerate(runs):
+        for gap, tried in zip(master.gaps[r], orders[r], strict=True):
+            chosen.update(zip((run.keys[p] for p in gap), tried[0], strict=True))
+    for r, run in enumerate(runs):
+        for gap, tried in zip(master.gaps[r], orders[r], strict=True):
+            if len(tried) > 1:
+                chosen = min(
+                    ({**chosen, **dict(zip((run.keys[p] for p in gap), order, strict=True))} for order in tried),
+                    key=lambda c: incumbent.score(c)[0],
+                )
+    return chosen
+
+
 def _distinct_modes(modes: Sequence[str], topology: Topology) -> tuple[str, ...]:
     """``modes`` less ``hybrid_shard`` where it is ``full_shard`` under another name (one shard group: the world)."""
     if topology.replicas == 1 and "full_shard" in modes:
@@ -989,10 +1020,12 @@ def _prune(costs: Mapping[K, SegmentCosts], *, time: bool = True) -> list[K]:
 #: most of the gap. (A hundredth gave slower plans on the 1,997-unit problem: other counts, that no order fitted.)
 _MASTER_GAP = 0.1
 
-#: The most blocks at the end of a run the count master holds as binaries before the general path takes over (see
-#: ``runs.py``'s [Note: count and arrange]), by whether the peak is minimised: the step-time master's root grows
-#: with them (a second at 8 blocks of 69 options, on the 297-unit benchmark problem), the peak's stays light.
-_ENDS = {False: 4, True: 16}
+#: The most blocks at the end of a run the count master holds apart (its gaps of one block) before the general path
+#: takes over (see ``runs.py``'s [Note: count and arrange]), by whether the peak is minimised.
+_ENDS = {False: 2, True: 16}
+
+#: How far (MiB) above its limit a row's value must be to count as broken: clear of HiGHS's feasibility tolerance.
+_TOLERANCE = 1e-6
 
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
