@@ -11,7 +11,7 @@ import random
 import pytest
 
 from lightning_osdp.cost_model.timeline import SegmentChoice
-from lightning_osdp.solver import PlanningProblem, ilp, runs
+from lightning_osdp.solver import PlanningProblem, highs, ilp, runs
 from lightning_osdp.solver.linear import MIB, LinearBackend
 
 from synthetic import gpt_profile
@@ -101,7 +101,7 @@ def test_every_status_through_the_count_master_holds_against_the_enumerated_opti
 def _solve(master: runs.Master) -> float:
     import pulp
 
-    master.prob.solve(ilp._HiGHS(msg=False, gapRel=0))
+    master.prob.solve(highs.HiGHS(msg=False, gapRel=0))
     return pulp.value(master.prob.objective)
 
 
