@@ -35,7 +35,7 @@ one it would free every choice); and HiGHS's branch and bound on the whole probl
 solution with the gap proved, infeasibility and failure. Every search stops on work, not on seconds: [Note: work
 limits].
 
-Each phase (``_count_and_arrange``, ``_search_neighbourhood``, ``_relax`` and ``_round_relaxation``,
+Each phase (``runs.count_and_arrange``, ``_search_neighbourhood``, ``_relax`` and ``_round_relaxation``,
 ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces the one held only if it fits and
 is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the incumbent says when the plan held is
 within the gap (the solve then stops) and what proves it.
@@ -91,7 +91,6 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
-import numpy as np
 import pulp
 
 from lightning_osdp.budget import format_bytes
@@ -134,17 +133,7 @@ from lightning_osdp.solver.candidates import (
 )
 from lightning_osdp.solver.highs import MIN_SECONDS, Clock, HiGHS, SolverError, SolveResult, relative_gap, run_mip
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
-from lightning_osdp.solver.runs import (
-    CountBackend,
-    Family,
-    Master,
-    Run,
-    arrangements,
-    count_rows,
-    families,
-    find_runs,
-    formulate_master,
-)
+from lightning_osdp.solver.runs import count_and_arrange
 from lightning_osdp.topology import Topology
 
 __all__ = [
@@ -578,7 +567,7 @@ class PlanningProblem:
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started, time_limit=time_limit)
         if settle_at is not None and budget is None:
             incumbent.settle_at = _rhs(settle_at)
-        counted = self._count_and_arrange(be, incumbent)
+        counted = count_and_arrange(be, incumbent, nodes=_NODES["master"], near=_NEIGHBOURHOOD)
         if counted == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan, "count master")
         if incumbent.within_gap():
@@ -604,52 +593,6 @@ class PlanningProblem:
             if incumbent.within_gap():
                 return incumbent.result("settled")
         return self._branch_and_bound(f, incumbent)
-
-    def _count_and_arrange(
-        self, be: LinearBackend, incumbent: Incumbent
-    ) -> str | tuple[dict[Hashable, Hashable], set[Hashable]] | None:
-        """Runs of identical blocks counted, then arranged (see ``runs.py``'s [Note: count and arrange]): the master
-        problem's dual bound is raised, an arrangement that fits every row offered, and when none does the families
-        of the rows it broke are bounded in the master, then the ends held as gaps of one block double, until the plan
-        is proved or :data:`_ENDS` is reached. Returns ``"infeasible"`` when the master (a relaxation) proves no plan
-        fits; when its last arrangement broke a row, that arrangement and the blocks near the ends of its runs (for
-        :meth:`_search_neighbourhood` to repair it); else ``None``."""
-        runs = find_runs(be.source)
-        if not runs:
-            return None
-        cb = count_rows(be.source, be.options, runs)
-        every = families(cb, runs)
-        tails = [[f.window[f.centre] - f.before for f in every if f.run == r] for r in range(len(runs))]
-        taken: list[Family] = []  # the families the master bounds (those whose rows an arrangement broke)
-        head, tail = 1, 2
-        while not incumbent.clock.expired():
-            cuts = [{*range(1, head + 1), *range(len(run.keys) - tail, len(run.keys))} for run in runs]
-            master = formulate_master(cb, runs, incumbent.rhs, cuts, taken)
-            try:
-                _, result = run_mip(
-                    master.prob, dict, gap=incumbent.gap * _MASTER_GAP, clock=incumbent.clock, nodes=_NODES["master"]
-                )
-            except SolverError:
-                return None
-            if result.status == "infeasible":
-                return "infeasible"
-            if result.lower is not None:
-                incumbent.raise_bound(result.lower, "count master")
-            chosen = _arrange(incumbent, runs, master, cb, tails)
-            incumbent.offer(chosen)
-            if incumbent.within_gap() or not master.relaxed:
-                return None
-            limit = result.objective if incumbent.rhs is None else incumbent.rhs
-            broken = set(np.flatnonzero(be.rows(chosen) > limit + _TOLERANCE).tolist())
-            more = [f for f in every if f not in taken and f.rows & broken]
-            if more:
-                taken += more
-                continue
-            if tail >= _ENDS[incumbent.minimises_peak]:
-                ends = {key for run in runs for key in run.keys[:2] + run.keys[-_NEIGHBOURHOOD:]}
-                return (chosen, ends) if not incumbent.fits(incumbent.score(chosen)[0]) else None
-            head, tail = 2 * head, 2 * tail
-        return None
 
     def _relax(self, f: _Formulation, incumbent: Incumbent) -> str:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
@@ -836,26 +779,6 @@ class PlanningProblem:
         return be.peak.total
 
 
-def _arrange(
-    incumbent: Incumbent, runs: Sequence[Run], master: Master, cb: CountBackend, tails: list[list[np.ndarray]]
-) -> dict[Hashable, Hashable]:
-    """The master's solution as a plan: each gap's counts in the order of smallest peak among those tried (see
-    ``runs.py``'s [Note: count and arrange]), gap by gap; its step time is the counts'."""
-    chosen, counts = master.read(cb)
-    orders = [[arrangements(run, c, tails[r]) for c in counts[r]] for r, run in enumerate(runs)]
-    for r, run in enumerate(runs):
-        for gap, tried in zip(master.gaps[r], orders[r], strict=True):
-            chosen.update(zip((run.keys[p] for p in gap), tried[0], strict=True))
-    for r, run in enumerate(runs):
-        for gap, tried in zip(master.gaps[r], orders[r], strict=True):
-            if len(tried) > 1:
-                chosen = min(
-                    ({**chosen, **dict(zip((run.keys[p] for p in gap), order, strict=True))} for order in tried),
-                    key=lambda c: incumbent.score(c)[0],
-                )
-    return chosen
-
-
 def _distinct_modes(modes: Sequence[str], topology: Topology) -> tuple[str, ...]:
     """``modes`` less ``hybrid_shard`` where it is ``full_shard`` under another name (one shard group: the world)."""
     if topology.replicas == 1 and "full_shard" in modes:
@@ -932,17 +855,6 @@ def _prune(costs: Mapping[K, SegmentCosts], *, time: bool = True) -> list[K]:
             kept.append(k)
     return kept
 
-
-#: The count master's relative gap, as a share of the solve's: its bound is what proves the plan, and its root closes
-#: most of the gap. (A hundredth gave slower plans on the 1,997-unit problem: other counts, that no order fitted.)
-_MASTER_GAP = 0.1
-
-#: The most blocks at the end of a run the count master holds apart (its gaps of one block) before the general path
-#: takes over (see ``runs.py``'s [Note: count and arrange]), by whether the peak is minimised.
-_ENDS = {False: 2, True: 16}
-
-#: How far (MiB) above its limit a row's value must be to count as broken: clear of HiGHS's feasibility tolerance.
-_TOLERANCE = 1e-6
 
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12

@@ -37,7 +37,7 @@ frees most last, the reverse ties, each family's order of largest ``window - a``
 the largest of its rows alone when ``a`` is what a block keeps), and each option's blocks all at the end or all at
 the start; an order that fits is a plan of the ILP with the master's step time, so it is proved by the master's
 bound. When none fits, the families of the rows it broke are added and the master solved again; when they all are,
-the ends kept as gaps of one double (to ``ilp._ENDS``: 2 blocks for the step time, 16 for the peak), and past that
+the ends kept as gaps of one double (to :data:`_ENDS`: 2 blocks for the step time, 16 for the peak), and past that
 the general path takes over with the master's bound, and repairs its last arrangement first. Nothing is proved of
 an arrangement that was not found: the answer is always a plan checked on every row, and a bound of a relaxation.
 
@@ -57,21 +57,24 @@ Weighed and not taken (measured on the 297-unit problem, 10% and 30% budgets):
 from __future__ import annotations
 
 import bisect
-import collections
 import functools
 import itertools
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pulp
 
 from lightning_osdp.cost_model.parts import MemoryParts
 from lightning_osdp.cost_model.timeline import SegmentChoice, TimelineInput, build_timeline
-from lightning_osdp.solver.linear import MIB, option_coefficients
+from lightning_osdp.solver.highs import SolverError, run_mip
+from lightning_osdp.solver.linear import MIB, LinearBackend, option_coefficients
 
-__all__ = ["CountBackend", "Master", "Run", "find_runs", "formulate_master"]
+if TYPE_CHECKING:
+    from lightning_osdp.solver.ilp import Incumbent
+
+__all__ = ["CountBackend", "Family", "Master", "Run", "count_and_arrange", "families", "find_runs", "formulate_master"]
 
 #: The fewest blocks a run needs for the count master to pay (shorter ones stay binaries).
 MIN_RUN = 6
@@ -306,12 +309,10 @@ def formulate_master(
         """``e`` over the master's variables, whether it is exact, and how many positions it is not: a gap that
         ``e`` sees through more than one vector (a row anchored inside it) takes its most common vector, each other
         position the least it adds beyond it (a bound every plan meets)."""
-        terms: dict[pulp.LpVariable, float] = collections.defaultdict(float)
+        terms: list[tuple[pulp.LpVariable, float]] = []  # each variable once (pulp keeps a variable's last term)
 
         def add(xs: Sequence[pulp.LpVariable], v: np.ndarray) -> None:
-            for x, c in zip(xs, v, strict=True):
-                if c:
-                    terms[x] += float(c)  # (pulp keeps the last of a variable's terms, not their sum)
+            terms.extend((x, c) for x, c in zip(xs, v.tolist(), strict=True) if c)
 
         const, off = e.const, 0
         for key, v in e.units.items():
@@ -330,7 +331,7 @@ def formulate_master(
                         const += n * float((v - u).min())
                         off += n
                 add(ns, u)
-        return pulp.LpAffineExpression([(x, c) for x, c in terms.items() if c], constant=const), off == 0, off
+        return pulp.LpAffineExpression(terms, constant=const), off == 0, off
 
     objective, exact, _ = affine(cb.objective)
     if not exact:
@@ -496,3 +497,83 @@ def arrangements(run: Run, counts: Mapping[int, int], tails: Sequence[np.ndarray
             if order not in out:
                 out.append(order)
     return out
+
+
+#: The count master's relative gap, as a share of the solve's: its bound is what proves the plan, and its root closes
+#: most of the gap. (A hundredth gave slower plans on the 1,997-unit problem: other counts, that no order fitted.)
+_MASTER_GAP = 0.1
+
+#: The most blocks at the end of a run the count master holds apart (its gaps of one block) before the general path
+#: takes over (see [Note: count and arrange]), by whether the peak is minimised.
+_ENDS = {False: 2, True: 16}
+
+#: How far (MiB) above its limit a row's value must be to count as broken: clear of HiGHS's feasibility tolerance.
+_TOLERANCE = 1e-6
+
+
+def count_and_arrange(
+    be: LinearBackend, incumbent: Incumbent, *, nodes: int, near: int
+) -> str | tuple[dict[Hashable, Hashable], set[Hashable]] | None:
+    """Runs of identical blocks counted, then arranged (see [Note: count and arrange]), the first phase of the solve
+    (``ilp.py``'s [Note: solving]); the master runs for at most ``nodes`` of HiGHS's nodes. The master problem's dual
+    bound is raised, an arrangement that fits every row offered, and when none does the families of the rows it broke
+    are bounded in the master, then the ends held as gaps of one block double, until the plan is proved or :data:`_ENDS`
+    is reached. Returns ``"infeasible"`` when the master (a relaxation) proves no plan fits; when its last arrangement
+    broke a row, that arrangement and the blocks near the ends of its runs (for
+    ``ilp.PlanningProblem._search_neighbourhood`` to repair it: the first two and last ``near`` blocks of each run);
+    else ``None``."""
+    runs = find_runs(be.source)
+    if not runs:
+        return None
+    cb = count_rows(be.source, be.options, runs)
+    every: list[Family] | None = None  # found once an arrangement breaks a row
+    taken: list[Family] = []  # the families the master bounds (those whose rows an arrangement broke)
+    head, tail = 1, 2
+    while not incumbent.clock.expired():
+        cuts = [{*range(1, head + 1), *range(len(run.keys) - tail, len(run.keys))} for run in runs]
+        master = formulate_master(cb, runs, incumbent.rhs, cuts, taken)
+        try:
+            _, result = run_mip(master.prob, dict, gap=incumbent.gap * _MASTER_GAP, clock=incumbent.clock, nodes=nodes)
+        except SolverError:
+            return None
+        if result.status == "infeasible":
+            return "infeasible"
+        if result.lower is not None:
+            incumbent.raise_bound(result.lower, "count master")
+        tails = [[f.window[f.centre] - f.before for f in every or () if f.run == r] for r in range(len(runs))]
+        chosen = _arrange(incumbent, runs, master, cb, tails)
+        incumbent.offer(chosen)
+        if incumbent.within_gap() or not master.relaxed:
+            return None
+        limit = result.objective if incumbent.rhs is None else incumbent.rhs
+        broken = set(np.flatnonzero(be.rows(chosen) > limit + _TOLERANCE).tolist())
+        every = families(cb, runs) if every is None else every
+        more = [f for f in every if f not in taken and f.rows & broken]
+        if more:
+            taken += more
+            continue
+        if tail >= _ENDS[incumbent.minimises_peak]:
+            ends = {key for run in runs for key in run.keys[:2] + run.keys[-near:]}
+            return (chosen, ends) if not incumbent.fits(incumbent.score(chosen)[0]) else None
+        head, tail = 2 * head, 2 * tail
+    return None
+
+
+def _arrange(
+    incumbent: Incumbent, runs: Sequence[Run], master: Master, cb: CountBackend, tails: list[list[np.ndarray]]
+) -> dict[Hashable, Hashable]:
+    """The master's solution as a plan: each gap's counts in the order of smallest peak among those tried (see
+    [Note: count and arrange]), gap by gap; its step time is the counts'."""
+    chosen, counts = master.read(cb)
+    orders = [[arrangements(run, c, tails[r]) for c in counts[r]] for r, run in enumerate(runs)]
+    for r, run in enumerate(runs):
+        for gap, tried in zip(master.gaps[r], orders[r], strict=True):
+            chosen.update(zip((run.keys[p] for p in gap), tried[0], strict=True))
+    for r, run in enumerate(runs):
+        for gap, tried in zip(master.gaps[r], orders[r], strict=True):
+            if len(tried) > 1:
+                chosen = min(
+                    ({**chosen, **dict(zip((run.keys[p] for p in gap), order, strict=True))} for order in tried),
+                    key=lambda c: incumbent.score(c)[0],
+                )
+    return chosen
