@@ -19,39 +19,38 @@ still meets; one that singles out more than :data:`_LOCAL` positions is left out
 temporaries takes, per option of a run, a binary "used" that its counts force.
 
 What those rows lose binds at tight budgets: the blocks that keep nothing in forward (full recomputation) fill a
-run, each forward instant near its end sees the level of the whole run, and the master, which sees only the
-least the gap's last block can add, picks counts no order fits (6,796.8 ms at the 10% budget of
-``benchmarks/solver_speed.py``'s 297-unit problem, where the optimum is 6,804.4). So rows are added for the
-*families* that an arrangement broke (:func:`families`: the rows of one instant anchored at each block in turn,
-seeing the blocks before a window through one vector ``a`` and those after it through ``b``). For a gap ``G`` and an
-option ``o`` used in it, the family's row at the last ``o`` block of ``G`` sees the other ``o`` blocks of ``G``
-before it (``a[o]`` each), its own window, and every other block of ``G`` at least at ``min(a, b)``; a binary
-``used[G, o]`` (forced by the count) switches that row on. Without ``o`` it is still a bound of the row at the gap's
-last block, whatever that block takes. Every row holds for every plan, so the master stays a relaxation of the ILP:
-its dual bound is a lower bound of the optimum (``"count master"``).
+run, each forward instant near its end sees the level of the whole run, and the master, which sees only the least
+the gap's last block can add, picks counts no order fits. So rows are added for the *families* whose rows an
+arrangement broke (:class:`Family`: the rows of one instant anchored at each block in turn, seeing the blocks before
+a window through one vector ``a`` and those after it through ``b``). For a gap ``G`` whose every block anchors one of
+the family's rows, and an option ``o`` used in ``G``, the row anchored at the last ``o`` block of ``G`` sees the
+other ``o`` blocks of ``G`` before it (``a[o]`` each), its own window, and every other block of ``G`` at least at
+``min(a, b)``; a binary ``used[G, o]`` (forced by the count) switches that row on. Without ``o`` it still bounds the
+row anchored at the gap's last block, whatever that block takes. Every row holds for every plan, so the master stays
+a relaxation of the ILP: its dual bound is a lower bound of the optimum (``"count master"``).
 
 Its counts are then *arranged*: each gap's blocks are ordered, each candidate order evaluated on the ILP's own rows
 (:meth:`~lightning_osdp.solver.linear.LinearBackend.peak`). The orders tried put the blocks whose forward keeps
 least first (the level before every later instant is then the smallest the counts allow) and those whose backward
-frees most last, the reverse ties, each family's order of largest ``window - a`` first (the order that minimises
-the largest of its rows alone when ``a`` is what a block keeps), and each option's blocks all at the end or all at
-the start; an order that fits is a plan of the ILP with the master's step time, so it is proved by the master's
-bound. When none fits, the families of the rows it broke are added and the master solved again; when they all are,
-the ends kept as gaps of one double (to :data:`_ENDS`: 2 blocks for the step time, 16 for the peak), and past that
-the general path takes over with the master's bound, and repairs its last arrangement first. Nothing is proved of
-an arrangement that was not found: the answer is always a plan checked on every row, and a bound of a relaxation.
+frees most last, the reverse ties, and each option's blocks all at the end or all at the start; once a row broke,
+also each family's order of largest ``window - a`` first (the order that minimises the largest of its rows alone,
+when ``a`` is what a block keeps for the later ones). An order that fits is a plan of the ILP with the master's step
+time, so it is proved by the master's bound. When none fits, the families of the rows it broke are added and the
+master solved again; when they all are, the ends kept as gaps of one double (to :data:`_ENDS`), and past that the
+general path takes over with the master's bound, and repairs its last arrangement first. Nothing is proved of an
+arrangement that was not found: the answer is always a plan checked on every row, and a bound of a relaxation.
 
-Weighed and not taken (measured on the 297-unit problem, 10% and 30% budgets):
+Weighed and not taken (``docs/benchmarks.md``, "Identical blocks counted, then arranged", has the figures):
 
-- *Cutting gaps where the broken rows are anchored* (a lazy loop, making those rows exact): the row that breaks
-  moves one block towards the start of the run each round (block 71, 70, ... 64 in eight rounds), the master's bound
-  does not move, and each round costs more (1-3 s by the eighth).
-- *Every block a gap of its own* (the ordered count formulation: exact, the ILP itself): with a run's counts in every
-  row it has 2.3 million nonzeros; with prefix-count variables (the counts of the first ``p`` blocks, so that a row
-  reads two of them) 13 thousand, and HiGHS proves the 10% optimum (6,804.359 ms) in 11-19 s.
+- *Cutting gaps where the broken rows are anchored* (a lazy loop that makes those rows exact): the row that breaks
+  moves one block towards the start of the run each round, the master's bound does not move, and each round costs
+  more than the last.
+- *Every block a gap of its own* (the ordered count formulation: exact, the ILP itself): with prefix-count variables
+  (the counts of the first ``p`` blocks, so that a row reads two of them) its rows are sparse, but HiGHS needs many
+  times the targets to prove the optimum, as on the ILP.
 - *A dynamic programme over the arrangements*, which would prove that no order fits: its states are the count vectors
   of a prefix, the product of the counts' ranges (millions at 1,997 planning units), and a "no" would still need a
-  cut excluding those counts, one count vector at a time; the families' rows exclude them by the row that breaks.
+  cut excluding those counts, one count vector at a time; a family's rows exclude them by the row that breaks.
 """
 
 from __future__ import annotations
