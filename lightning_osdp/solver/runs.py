@@ -30,15 +30,17 @@ row anchored at the gap's last block, whatever that block takes. Every row holds
 a relaxation of the ILP: its dual bound is a lower bound of the optimum (``"count master"``).
 
 Its counts are then *arranged*: each gap's blocks are ordered, each candidate order evaluated on the ILP's own rows
-(:meth:`~lightning_osdp.solver.linear.LinearBackend.peak`). The orders tried put the blocks whose forward keeps
-least first (the level before every later instant is then the smallest the counts allow) and those whose backward
-frees most last, the reverse ties, and each option's blocks all at the end or all at the start; once a row broke,
-also each family's order of largest ``window - a`` first (the order that minimises the largest of its rows alone,
-when ``a`` is what a block keeps for the later ones). An order that fits is a plan of the ILP with the master's step
-time, so it is proved by the master's bound. When none fits, the families of the rows it broke are added and the
-master solved again; when they all are, the ends kept as gaps of one double (to :data:`_ENDS`), and past that the
-general path takes over with the master's bound, and repairs its last arrangement first. Nothing is proved of an
-arrangement that was not found: the answer is always a plan checked on every row, and a bound of a relaxation.
+(:meth:`~lightning_osdp.solver.linear.LinearBackend.peak`). The orders tried put the blocks whose forward keeps least
+first (the level before every later instant is then the smallest the counts allow) and those whose backward frees most
+last, the reverse ties, and each option's blocks all at the end or all at the start; once a row of a long run broke,
+also each family's order of largest ``window - a`` first (the order that minimises the largest of its rows alone, when
+``a`` is what a block keeps for the later ones). An order that fits is a plan of the ILP with the master's step time, so
+it is proved by the master's bound. When none fits, on long runs the families of the rows it broke are added and the
+master solved again; short runs (the blocks held apart an eighth of each or more), and long ones once no family is left
+to add, double the ends kept as gaps of one (to :data:`_SHORT_ENDS` or :data:`_ENDS`): on a short run that makes the
+master nearly the ILP, at little cost, where a family's rows cost HiGHS more than they prove. Past that the general path
+takes over with the master's bound, and repairs its last arrangement first. Nothing is proved of an arrangement that was
+not found: the answer is always a plan checked on every row, and a bound of a relaxation.
 
 Weighed and not taken (``docs/benchmarks.md``, "Identical blocks counted, then arranged", has the figures):
 
@@ -506,6 +508,9 @@ _MASTER_GAP = 0.1
 #: takes over (see [Note: count and arrange]), by whether the peak is minimised.
 _ENDS = {False: 2, True: 16}
 
+#: The same for the step time when every run is short (see ``count_and_arrange``).
+_SHORT_ENDS = 4
+
 #: How far (MiB) above its limit a row's value must be to count as broken: clear of HiGHS's feasibility tolerance.
 _TOLERANCE = 1e-6
 
@@ -516,11 +521,11 @@ def count_and_arrange(
     """Runs of identical blocks counted, then arranged (see [Note: count and arrange]), the first phase of the solve
     (``ilp.py``'s [Note: solving]); the master runs for at most ``nodes`` of HiGHS's nodes. The master problem's dual
     bound is raised, an arrangement that fits every row offered, and when none does the families of the rows it broke
-    are bounded in the master, then the ends held as gaps of one block double, until the plan is proved or :data:`_ENDS`
-    is reached. Returns ``"infeasible"`` when the master (a relaxation) proves no plan fits; when its last arrangement
-    broke a row, that arrangement and the blocks near the ends of its runs (for
-    ``ilp.PlanningProblem._search_neighbourhood`` to repair it: the first two and last ``near`` blocks of each run);
-    else ``None``."""
+    are bounded in the master (long runs), or the ends held as gaps of one block double (short runs, and long ones with
+    no family left to add), until the plan is proved or the ends reach :data:`_ENDS` (:data:`_SHORT_ENDS`). Returns
+    ``"infeasible"`` when the master (a relaxation) proves no plan fits; when its last arrangement broke a row, that
+    arrangement and the blocks near the ends of its runs (for ``ilp.PlanningProblem._search_neighbourhood`` to repair
+    it: the first two and last ``near`` blocks of each run); else ``None``."""
     runs = find_runs(be.source)
     if not runs:
         return None
@@ -546,12 +551,16 @@ def count_and_arrange(
             return None
         limit = result.objective if incumbent.rhs is None else incumbent.rhs
         broken = set(np.flatnonzero(be.rows(chosen) > limit + _TOLERANCE).tolist())
-        every = families(cb, runs) if every is None else every
-        more = [f for f in every if f not in taken and f.rows & broken]
-        if more:
-            taken += more
-            continue
-        if tail >= _ENDS[incumbent.minimises_peak]:
+        # Short runs (the ends held apart an eighth of each or more) keep the master of binary ends, doubled: nearly
+        # the ILP on them, and light; long ones take the families first.
+        short = all(8 * (head + tail) >= len(run.keys) for run in runs)
+        if not short:
+            every = families(cb, runs) if every is None else every
+            more = [f for f in every if f not in taken and f.rows & broken]
+            if more:
+                taken += more
+                continue
+        if tail >= max(_ENDS[incumbent.minimises_peak], _SHORT_ENDS if short else 0):
             ends = {key for run in runs for key in run.keys[:2] + run.keys[-near:]}
             return (chosen, ends) if not incumbent.fits(incumbent.score(chosen)[0]) else None
         head, tail = 2 * head, 2 * tail
