@@ -586,8 +586,8 @@ def test_a_last_phase_without_a_proof_does_not_report_the_gap(monkeypatch):
     be = problem.build()
     scored = _enumerated(problem, be)
     low, high = min(p for p, _ in scored), max(p for p, _ in scored)
-    for name in ("_count_and_arrange", "_search_neighbourhood"):
-        monkeypatch.setattr(PlanningProblem, name, lambda self, *a, **k: None)
+    monkeypatch.setattr(ilp, "count_and_arrange", lambda *a, **k: None)
+    monkeypatch.setattr(PlanningProblem, "_search_neighbourhood", lambda self, *a, **k: None)
     too_big = {
         key: max(opts, key=lambda o: be.peak({**{k: v[0] for k, v in be.options.items()}, key: o}))
         for key, opts in be.options.items()
@@ -596,7 +596,7 @@ def test_a_last_phase_without_a_proof_does_not_report_the_gap(monkeypatch):
     def breaks_a_row(prob, read, **kwargs):
         return too_big, SolveResult("optimal", 0.0, 0.0, be.step_time(too_big), lower=None)
 
-    monkeypatch.setattr(ilp, "_run_mip", breaks_a_row)
+    monkeypatch.setattr(ilp, "run_mip", breaks_a_row)
     wrong = 0
     for k in range(1, 8):
         budget = int((low + (high - low) * k / 8) * MIB)
@@ -623,11 +623,11 @@ def test_an_lp_stopped_on_the_way_bounds_nothing(monkeypatch):
     f = ilp._Formulation(*formulated, be=be)
     incumbent = Incumbent(be, budget=10**9, gap=1e-3, started=0.0)
 
-    class Stopped(ilp._HiGHS):
+    class Stopped(ilp.HiGHS):
         def __init__(self, **kwargs):
             super().__init__(**kwargs, simplex_iteration_limit=0, presolve="off")
 
-    monkeypatch.setattr(ilp, "_HiGHS", Stopped)
+    monkeypatch.setattr(ilp, "HiGHS", Stopped)
     assert problem._relax(f, incumbent) == "stopped"
     assert incumbent.lower is None
 

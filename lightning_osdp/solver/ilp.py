@@ -21,25 +21,21 @@ added seconds (exposed communication, copies, optimizer, overhead) are precomput
 [Note: solving]
 A model with runs of identical blocks is first solved by counting them (``runs.py``'s [Note: count and arrange]): a
 master problem over how many blocks of each run take each option, a relaxation whose dual bound is a lower bound, and an
-arrangement of its counts checked on every row, which is then a plan with the master's step time. It replaced the *count
-relaxation* (the ILP with a run's binaries continuous and its counts integer, then those counts placed by a short branch
-and bound): the master's bound is at least as tight and comes sooner, since the master has a few hundred variables where
-the ILP has thousands. When it proves the gap the solve ends there; otherwise its plan and bound stay with the incumbent
-and the general path follows, which is also the whole solve of a model without runs. The LP relaxation is solved
-(integrality dropped): a lower bound, with few fractional choices; each choice rounded to the most memory-frugal option
-the LP uses gives a plan that fits. When the master's last arrangement broke a row, the neighbourhood below repairs it
-first, its blocks near the ends of each run free and the rest held to it, whatever rounding proved: the master's counts
-are a few blocks from the faster plan, and rounding's plan, within the gap of the master's tight bound, was slower than
-the plans the solver returned before the master. Then, each stopping once the gap is proved: a small branch and bound
-over the fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses (the
-*neighbourhood*, on deep models only: on a shallow one it would free every choice); and HiGHS's branch and bound on the
-whole problem with the incumbent as its cutoff, ``gapRel`` and a node limit, what it proves deciding between a proven
-optimum, a solution within the gap, a work-limit solution with the gap proved, infeasibility and failure. (A *probe*,
-that last run cut short at its root, came before the count relaxation; with the count master's bound it changed no plan
-of ``benchmarks/solver_speed.py``, only cost time, and it went. The figures are in ``docs/benchmarks.md``, "Planning
-speed".) Every search stops on work, not on seconds: [Note: work limits].
+arrangement of its counts checked on every row, which is then a plan with the master's step time (it has a few hundred
+variables where the ILP has thousands). When it proves the gap the solve ends there; otherwise its plan and bound stay
+with the incumbent and the general path follows, which is also the whole solve of a model without runs. When the
+master's last arrangement broke a row, it is repaired first: a small branch and bound with its blocks near the ends of
+each run free and the rest held to it (the master's counts are a few blocks from the faster plan; rounding's plan,
+within the gap of the master's tight bound, can be slower). Then the LP relaxation is solved (integrality dropped): a
+lower bound, with few fractional choices; each choice rounded to the most memory-frugal option the LP uses gives a plan
+that fits. Then, each stopping once the gap is proved: a small branch and bound over the fractional choices and a spread
+of others (the rest fixed) looks for the swaps rounding misses (the *neighbourhood*, on deep models only: on a shallow
+one it would free every choice); and HiGHS's branch and bound on the whole problem with the incumbent as its cutoff,
+``gapRel`` and a node limit, what it proves deciding between a proven optimum, a solution within the gap, a work-limit
+solution with the gap proved, infeasibility and failure. Every search stops on work, not on seconds: [Note: work
+limits].
 
-Each phase (``_count_and_arrange``, ``_relax`` and ``_round_relaxation``, ``_search_neighbourhood``,
+Each phase (``runs.count_and_arrange``, ``_search_neighbourhood``, ``_relax`` and ``_round_relaxation``,
 ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces the one held only if it fits and
 is faster (:meth:`Incumbent.improves`), a bound only if it is tighter, and the incumbent says when the plan held is
 within the gap (the solve then stops) and what proves it.
@@ -68,29 +64,19 @@ so a loaded machine searched less and could return another plan and status (6,83
 phase in :data:`_NODES`: the count master 2,000, the neighbourhood 100, the last phase 50);
 HiGHS is deterministic for a given model and options (its ``random_seed`` is fixed at
 its default, its parallel tasks do not change its path), and the LP relaxation runs to its optimum. HiGHS ends a
-node-limited run with ``kSolutionLimit``, which pulp does not map (``_HiGHS.findSolutionValues``); the run is then
+node-limited run with ``kSolutionLimit``, which pulp does not map (``highs.HiGHS.findSolutionValues``); the run is then
 incomplete, and proves only its dual bound. The root node is not bounded by a node limit but by HiGHS's own
 deterministic effort: it is most of a phase's time at 297 units (2-6 s). The limits were sized on
 ``benchmarks/solver_speed.py --units 300``: the same plans as the 10 s wall-clock limit gave on a quiet machine, in
 4-15 s of CPU (``docs/benchmarks.md``, "Planning speed").
 
 ``time_limit`` (``solver_time_limit``) remains as a safety net only: each HiGHS run may take that many seconds, the
-whole solve :data:`_RUNS` (3) times that (a phase not started once it is past; the last phase still runs for a
+whole solve ``highs.RUNS`` (3) times that (a phase not started once it is past; the last phase still runs for a
 second when no plan is held). A limit that is not reached changes nothing. One that is reached makes the plan the
 machine's as much as the problem's, and the status says so whatever was proved: ``"time limit (within gap X)"``.
 ``tests/test_deterministic.py`` solves one problem repeatedly beside busy processes, and under a generous and a
 short limit, and gets one plan and status.
 
-[Note: the MILP solver]
-Every phase runs on HiGHS, in process, through pulp's ``HiGHS`` interface (the ``highspy`` package): pulp stays the
-modelling layer, the rows are built once, in ``_formulate``, and each phase changes bounds or categories and solves
-again. pulp leaves the objective's constant (the compute every plan pays) out of the model it hands the solver:
-HiGHS is given it as its objective offset (``_HiGHS``), so that its gap, dual bound and cutoff (``objective_bound``)
-are of the whole step time. Until 0.1.x CBC, pulp's bundled binary run as a subprocess on files, was the
-default; it needed a directory per solve, its cleanup on ``SIGTERM`` and after a kill, a cached MPS writer, its log
-read back for the bound and an absolute gap for the constant it did not see. With the same phases neither solver was
-faster at every budget (``docs/benchmarks.md``, "Planning speed"), so the one in process stayed. ``solver="cbc"``
-still plans, on HiGHS, with a ``FutureWarning`` (:func:`check_solver`).
 """
 
 from __future__ import annotations
@@ -99,11 +85,9 @@ import dataclasses
 import functools
 import math
 import numbers
-import os
-import sys
 import time
 import warnings
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -148,8 +132,9 @@ from lightning_osdp.solver.candidates import (
     planning_units,
     segment_options,
 )
+from lightning_osdp.solver.highs import MIN_SECONDS, Clock, HiGHS, SolverError, SolveResult, relative_gap, run_mip
 from lightning_osdp.solver.linear import MIB, LinearBackend, LinExpr
-from lightning_osdp.solver.runs import arrangements, count_rows, find_runs, formulate_master
+from lightning_osdp.solver.runs import count_and_arrange
 from lightning_osdp.topology import Topology
 
 __all__ = [
@@ -165,7 +150,7 @@ __all__ = [
     "solve",
 ]
 
-#: The MILP solver every phase runs on (see [Note: the MILP solver]): HiGHS, the only one.
+#: The MILP solver every phase runs on (see ``highs.py``'s [Note: the MILP solver]): HiGHS, the only one.
 DEFAULT_SOLVER = "highs"
 
 #: The MILP solvers a solve accepts (``"cbc"`` too, deprecated: :func:`check_solver`).
@@ -194,50 +179,6 @@ def _rebuild_infeasible(message: str, budget: int, minimum: int, consumers: list
     return InfeasibleBudgetError(message, budget=budget, minimum=minimum, consumers=consumers)
 
 
-class SolverError(RuntimeError):
-    """The ILP's solver (HiGHS) found no plan within its limits."""
-
-
-class _Clock:
-    """The solve's wall-clock safety net (see [Note: work limits]): each HiGHS run may take ``time_limit`` seconds,
-    the whole solve :data:`_RUNS` times that; :attr:`hit` says whether either limit was reached (a run stopped by
-    it, or a phase not started for it)."""
-
-    def __init__(self, time_limit: float, started: float | None = None) -> None:
-        self.time_limit = time_limit
-        self.deadline = (time.perf_counter() if started is None else started) + _RUNS * time_limit
-        self.hit = False
-
-    def left(self) -> float:
-        """Seconds the next run may take: ``time_limit``, or what is left of the solve's (negative once past it)."""
-        return min(self.time_limit, self.deadline - time.perf_counter())
-
-    def expired(self) -> bool:
-        """Whether the solve's limit is past; once it is, :attr:`hit` is set."""
-        if self.deadline - time.perf_counter() <= 0:
-            self.hit = True
-        return self.hit
-
-
-@dataclass(frozen=True)
-class SolveResult:
-    """How a solve (or one branch and bound run) ended; ``bound`` names what proves the gap (see [Note: solving]).
-
-    ``lower`` is the lower bound the run proved (``None``: none), ``complete`` whether it searched to the end (no
-    limit stopped it): only a complete run that finds nothing under a cutoff proves that no plan is under it.
-    ``stopped`` names the limit that stopped an incomplete run: ``"work limit"`` (its nodes) or ``"time limit"``
-    (the safety net; see [Note: work limits])."""
-
-    status: str
-    gap: float | None
-    seconds: float
-    objective: float
-    bound: str = "branch and bound"
-    lower: float | None = None
-    complete: bool = True
-    stopped: str | None = None
-
-
 class Incumbent:
     """The best plan the solver's phases have found so far, its value, and the lower bound that says how far from
     the optimum it can be, with what proves that bound (see [Note: solving]).
@@ -256,7 +197,7 @@ class Incumbent:
         value: its objective (step time in ms, or peak in MiB); ``inf`` until one fits.
         lower: the best lower bound of the objective (``None`` until a phase proves one).
         proof: what proves ``lower``: ``"count master"``, ``"LP relaxation"`` or ``"branch and bound"``.
-        clock: the safety net's :class:`_Clock`.
+        clock: the safety net's :class:`Clock`.
     """
 
     def __init__(
@@ -266,7 +207,7 @@ class Incumbent:
         self.rhs = None if budget is None else _rhs(budget)
         self.gap = gap
         self.started = started
-        self.clock = _Clock(time_limit, started)
+        self.clock = Clock(time_limit, started)
         self.chosen: dict[Hashable, Hashable] | None = None
         self.value = math.inf
         self.lower: float | None = None
@@ -304,14 +245,6 @@ class Incumbent:
         self.chosen, self.value = candidate, value
         return True
 
-    def take(self, chosen: dict[Hashable, Hashable] | None, result: SolveResult) -> None:
-        """What a branch and bound on the whole problem returned: its plan, offered (:meth:`offer` checks it
-        against the rows), and the dual bound it proved. The bound holds whatever the plan: HiGHS's dual bound is
-        a bound over its tolerance-feasible set, which holds every plan that fits exactly."""
-        self.offer(chosen)
-        if result.lower is not None:
-            self.raise_bound(result.lower, "branch and bound")
-
     def raise_bound(self, bound: float, proof: str) -> None:
         """Take ``bound`` (proved by ``proof``) if it is tighter than the lower bound held."""
         if self.lower is None or bound > self.lower:
@@ -319,7 +252,7 @@ class Incumbent:
 
     def loss(self) -> float:
         """The relative gap between the incumbent's value and the lower bound."""
-        return math.inf if self.lower is None else _relative_gap(self.value, self.lower)
+        return math.inf if self.lower is None else relative_gap(self.value, self.lower)
 
     def settled(self) -> bool:
         """Whether (``settle_at`` set) a plan at or under ``settle_at`` is held or a lower bound above it proved."""
@@ -381,10 +314,6 @@ _SETTLE_MARGIN = 2e-9
 #: How far a relative gap may read above the one proved: a bound of ``value * (1 - gap)`` (what a cutoff search that
 #: finds nothing proves) gives ``(value - bound) / value`` above ``gap`` by a rounding for half of all values.
 _ROUNDING = 1e-12
-
-
-def _relative_gap(value: float, lower: float) -> float:
-    return max((value - lower) / max(abs(value), 1e-12), 0.0)
 
 
 class PlanningProblem:
@@ -650,21 +579,24 @@ class PlanningProblem:
         incumbent = Incumbent(be, budget=budget, gap=gap, started=started, time_limit=time_limit)
         if settle_at is not None and budget is None:
             incumbent.settle_at = _rhs(settle_at)
-        counted = self._count_and_arrange(be, incumbent)
+        counted = count_and_arrange(be, incumbent, nodes=_NODES["master"], near=_NEIGHBOURHOOD)
         if counted == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan, "count master")
         if incumbent.within_gap():
             return incumbent.result("settled")
         f = _Formulation(*formulated, be=be)
+        if isinstance(counted, tuple):
+            # The master's counts, arranged, broke a row near the end of a run: repaired there first (the master's
+            # counts are the faster plan, when they are a few blocks from one; rounding's, within the gap of the
+            # master's tight bound, can be slower than the plans the solver returned before the master).
+            self._search_neighbourhood(f, incumbent, {}, *counted)
+            if incumbent.within_gap():
+                return incumbent.result("settled")
         relaxed = self._relax(f, incumbent)
         if relaxed == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
         if relaxed == "optimal":
             fractional = self._round_relaxation(f, incumbent)
-            if isinstance(counted, tuple):
-                # The master's counts, arranged, broke a row near the end of a run: repaired there, whatever rounding
-                # proved (the master's counts are the faster plan, when they are a few blocks from one).
-                self._search_neighbourhood(f, incumbent, {}, *counted)
             if incumbent.within_gap():
                 return incumbent.result("settled")
             if incumbent.clock.expired() and incumbent.chosen is not None:
@@ -674,52 +606,6 @@ class PlanningProblem:
                 return incumbent.result("settled")
         return self._branch_and_bound(f, incumbent)
 
-    def _count_and_arrange(
-        self, be: LinearBackend, incumbent: Incumbent
-    ) -> str | tuple[dict[Hashable, Hashable], set[Hashable]] | None:
-        """Runs of identical blocks counted, then arranged (see ``runs.py``'s [Note: count and arrange]): the master
-        problem's dual bound is raised, an arrangement that fits every row offered, and when none does the ends held
-        as binaries double, until the plan is proved or :data:`_ENDS` is reached. Returns ``"infeasible"`` when the
-        master (a relaxation) proves no plan fits; when its last arrangement broke a row, that arrangement and the
-        blocks near the ends of its runs (for :meth:`_search_neighbourhood` to repair it); else ``None``."""
-        runs = find_runs(be.source)
-        if not runs:
-            return None
-        cb = count_rows(be.source, be.options, runs)
-        head, tail = 1, 2
-        while not incumbent.clock.expired():
-            master = formulate_master(cb, runs, incumbent.rhs, head, tail)
-            try:
-                _, result = _run_mip(
-                    master.prob, dict, gap=incumbent.gap * _MASTER_GAP, clock=incumbent.clock, nodes=_NODES["master"]
-                )
-            except SolverError:
-                return None
-            if result.status == "infeasible":
-                return "infeasible"
-            if result.lower is not None:
-                incumbent.raise_bound(result.lower, "count master")
-            chosen, counts = master.read(cb, runs)
-            orders = [arrangements(run, counts[r]) for r, run in enumerate(runs)]
-
-            def place(
-                r: int, order: list[Hashable], plan: dict[Hashable, Hashable], inside: list[range] = master.interiors
-            ) -> dict[Hashable, Hashable]:
-                return {**plan, **dict(zip((runs[r].keys[p] for p in inside[r]), order, strict=True))}
-
-            for r in range(len(runs)):
-                chosen = place(r, orders[r][0], chosen)
-            for r in range(len(runs)):  # the step time is the counts': the order of smallest peak, run by run
-                chosen = min((place(r, order, chosen) for order in orders[r]), key=lambda c: incumbent.score(c)[0])
-            incumbent.offer(chosen)
-            if incumbent.within_gap() or not any(master.interiors) or not master.dropped:
-                return None
-            if tail >= _ENDS[incumbent.minimises_peak]:
-                ends = {key for run in runs for key in run.keys[:2] + run.keys[-_NEIGHBOURHOOD:]}
-                return (chosen, ends) if not incumbent.fits(incumbent.score(chosen)[0]) else None
-            head, tail = 2 * head, 2 * tail
-        return None
-
     def _relax(self, f: _Formulation, incumbent: Incumbent) -> str:
         """Phase 1: the LP relaxation, the first lower bound (multiple-choice knapsacks being what they are, its
         solution has very few fractional choices). Returns ``"optimal"``, ``"infeasible"`` or ``"stopped"``.
@@ -728,7 +614,7 @@ class PlanningProblem:
         and the objective of a simplex stopped on the way bounds nothing (see [Note: the certificate])."""
         import highspy
 
-        f.prob.solve(_HiGHS(msg=False, mip=False, timeLimit=max(incumbent.clock.left(), _MIN_SECONDS)))
+        f.prob.solve(HiGHS(msg=False, mip=False, timeLimit=max(incumbent.clock.left(), MIN_SECONDS)))
         status = f.prob.solverModel.getModelStatus()
         if status == highspy.HighsModelStatus.kTimeLimit:
             incumbent.clock.hit = True
@@ -796,7 +682,7 @@ class PlanningProblem:
                 fixed.append(x)
         try:
             incumbent.offer(
-                _run_mip(
+                run_mip(
                     f.prob,
                     functools.partial(_chosen, be, xs),
                     gap=incumbent.gap / 4,
@@ -810,35 +696,6 @@ class PlanningProblem:
             for x in fixed:
                 x.lowBound, x.upBound = 0, 1
 
-    def _settle_cutoff(
-        self, incumbent: Incumbent, chosen: dict[Hashable, Hashable] | None, result: SolveResult
-    ) -> None:
-        """Hand a whole-problem run (with the incumbent's cutoff) to the incumbent. A run that found nothing under
-        the cutoff proves the gap only when it searched to the end (``result.complete``; see [Note: the
-        certificate])."""
-        if result.status == "infeasible":
-            if result.lower is not None:  # nothing under the cutoff, searched to the end
-                incumbent.raise_bound(result.lower, "branch and bound")
-            return
-        incumbent.take(chosen, result)
-
-    def _whole_problem(
-        self, f: _Formulation, incumbent: Incumbent, nodes: int, *, seconds: float = 0.0
-    ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-        """The solver's branch and bound on the whole problem for at most ``nodes`` nodes (and the safety net's
-        time left, or ``seconds`` if longer), the gap asked for and, with an incumbent, its cutoff (only plans
-        better than it by more than the gap are searched); raises :class:`SolverError` when it finds no plan."""
-        return _run_mip(
-            f.prob,
-            functools.partial(_chosen, f.be, f.xs),
-            gap=incumbent.gap,
-            clock=incumbent.clock,
-            nodes=nodes,
-            cutoff=incumbent.cutoff(),
-            seconds=seconds,
-            first=incumbent.settle_at is not None,
-        )
-
     def _branch_and_bound(
         self, f: _Formulation, incumbent: Incumbent
     ) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
@@ -850,14 +707,28 @@ class PlanningProblem:
         if incumbent.clock.expired() and incumbent.chosen is not None:
             return incumbent.result("time limit")
         try:
-            chosen, result = self._whole_problem(f, incumbent, _NODES["last"], seconds=1.0)
+            chosen, result = run_mip(
+                f.prob,
+                functools.partial(_chosen, f.be, f.xs),
+                gap=incumbent.gap,
+                clock=incumbent.clock,
+                nodes=_NODES["last"],
+                cutoff=incumbent.cutoff(),
+                seconds=1.0,
+                first=incumbent.settle_at is not None,
+            )
         except SolverError:
             if incumbent.chosen is None:
                 raise
             return incumbent.result("work limit")
         if incumbent.chosen is None and result.status == "infeasible":
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
-        self._settle_cutoff(incumbent, chosen, result)
+        if result.status != "infeasible":
+            incumbent.offer(chosen)  # checked against the rows
+        if result.lower is not None:
+            # HiGHS's dual bound holds whatever its plan (it bounds its tolerance-feasible set, which holds every plan
+            # that fits exactly); "infeasible" under the cutoff has one only when the search ran to its end.
+            incumbent.raise_bound(result.lower, "branch and bound")
         if incumbent.chosen is None:
             # The run's plan breaks a row (HiGHS's tolerances): no plan, and none proved to exist.
             return None, SolveResult("infeasible", None, incumbent.elapsed(), math.nan)
@@ -997,15 +868,6 @@ def _prune(costs: Mapping[K, SegmentCosts], *, time: bool = True) -> list[K]:
     return kept
 
 
-#: The count master's relative gap, as a share of the solve's: its bound is what proves the plan, and its root closes
-#: most of the gap. (A hundredth gave slower plans on the 1,997-unit problem: other counts, that no order fitted.)
-_MASTER_GAP = 0.1
-
-#: The most blocks at the end of a run the count master holds as binaries before the general path takes over (see
-#: ``runs.py``'s [Note: count and arrange]), by whether the peak is minimised: the step-time master's root grows
-#: with them (a second at 8 blocks of 69 options, on the 297-unit benchmark problem), the peak's stays light.
-_ENDS = {False: 4, True: 16}
-
 #: Choices the neighbourhood search frees besides the fractional ones and the global units.
 _NEIGHBOURHOOD = 12
 
@@ -1013,16 +875,10 @@ _NEIGHBOURHOOD = 12
 #: the gap does not, on every machine alike (see [Note: work limits]).
 _NODES: dict[str, int] = {"master": 2000, "neighbourhood": 100, "last": 50}
 
-#: The safety net of a whole solve, in time limits (of one run each; see [Note: work limits]).
-_RUNS = 3
-
-#: The shortest time limit HiGHS is given for the LP relaxation (a time limit of 0 is refused).
-_MIN_SECONDS = 1e-3
-
 
 def check_solver(solver: str) -> str:
-    """The MILP solver ``solver`` names: ``"highs"``. ``"cbc"`` (the default until it was removed) still plans,
-    on HiGHS, with a ``FutureWarning`` (see [Note: the MILP solver]); anything else is a ``ValueError``."""
+    """The MILP solver ``solver`` names: ``"highs"``. ``"cbc"`` (the default until it was removed) still plans, on
+    HiGHS, with a ``FutureWarning`` (see ``highs.py``'s [Note: the MILP solver]); anything else is a ``ValueError``."""
     if solver == "cbc":
         warnings.warn(
             "solver='cbc' is deprecated and ignored: CBC was removed, every plan is solved by HiGHS in process "
@@ -1051,119 +907,6 @@ def _chosen(be: LinearBackend, xs: list[pulp.LpVariable]) -> dict[Hashable, Hash
     return {
         key: max(choices, key=lambda o: xs[be.binaries[(key, o)]].value() or 0.0) for key, choices in be.options.items()
     }
-
-
-@functools.cache
-def _without_banner() -> None:
-    """Make the process's first HiGHS object with the C library's standard output sent nowhere: HiGHS prints its
-    banner ("Running HiGHS ...") there when the first one is made, before any option (pulp's ``msg=False``) can say
-    otherwise, into the middle of a run's log or ``osdp plan``'s report; later objects print none."""
-    import highspy
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-class _HiGHS(pulp.HiGHS):
-    """pulp's in-process HiGHS, given the objective's constant as HiGHS's offset (pulp leaves it out): HiGHS's
-    relative gap, bound and cutoff are then of the whole predicted step time, as the solve's gap is."""
-
-    def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
-        _without_banner()
-        super().createAndConfigureSolver(lp)
-
-    def buildSolverModel(self, lp: pulp.LpProblem) -> None:
-        super().buildSolverModel(lp)
-        constant = lp.objective.constant if lp.objective is not None else 0.0
-        if constant:
-            lp.solverModel.changeObjectiveOffset(float(constant))
-
-    def findSolutionValues(self, lp: pulp.LpProblem) -> tuple[int, int]:
-        """pulp's reading of the solution, and of HiGHS's node and leaf limits, which pulp does not map (its
-        lookup fails after the values are assigned): read as it reads the time limit. The solve's own status is
-        read from HiGHS (:func:`_run_mip`), not from pulp's."""
-        import highspy
-
-        try:
-            return cast(tuple[int, int], super().findSolutionValues(lp))
-        except KeyError:
-            if lp.solverModel.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
-                raise
-            if lp.solverModel.getInfo().primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible:
-                return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
-            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
-
-
-def _run_mip(
-    prob: pulp.LpProblem,
-    read: Callable[[], dict[Hashable, Hashable]],
-    *,
-    gap: float,
-    clock: _Clock,
-    nodes: int,
-    cutoff: float | None = None,
-    seconds: float = 0.0,
-    first: bool = False,
-) -> tuple[dict[Hashable, Hashable] | None, SolveResult]:
-    """Branch and bound on HiGHS, in process, for at most ``nodes`` nodes, stopped by the safety net ``clock`` (or
-    after ``seconds``, if longer; see [Note: work limits]); with ``cutoff`` (of the whole objective) only better
-    plans are searched, and a search under it that finds nothing proves the cutoff a lower bound (``lower``);
-    ``first`` stops at the first plan found under it; ``read`` gives the plan of the solution pulp holds. The
-    status, the dual bound and whether the search ran to its end are read from HiGHS itself (pulp reads every limit
-    as "Optimal"). Raises :class:`SolverError` when no plan was found and the search did not end."""
-    import highspy
-
-    time_limit = max(clock.left(), seconds)
-    if time_limit <= 0:
-        clock.hit = True
-        raise SolverError("the ILP solver (HiGHS) was not run: the solve's time limit is past")
-    options: dict[str, Any] = {}
-    if cutoff is not None:
-        options["objective_bound"] = float(cutoff)  # HiGHS prunes every node at or above it
-        if first:
-            options["mip_max_improving_sols"] = 1
-    solver = _HiGHS(msg=False, gapRel=gap, timeLimit=time_limit, mip_max_nodes=nodes, **options)
-    started = time.perf_counter()
-    prob.solve(solver)
-    elapsed = time.perf_counter() - started
-    highs = prob.solverModel
-    model_status = highs.getModelStatus()
-    info = highs.getInfo()
-    statuses = highspy.HighsModelStatus
-    # Only these end a search: every other status (a limit, an interrupt) stops it on the way.
-    complete = model_status in (statuses.kOptimal, statuses.kInfeasible, statuses.kUnboundedOrInfeasible)
-    stopped = None if complete else "time limit" if model_status == statuses.kTimeLimit else "work limit"
-    if stopped == "time limit":
-        clock.hit = True
-    if model_status in (statuses.kInfeasible, statuses.kUnboundedOrInfeasible):
-        return None, SolveResult("infeasible", None, elapsed, math.nan, lower=cutoff, complete=True)
-    if info.primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:
-        limit = f"{time_limit:g} s" if stopped == "time limit" else f"{nodes} nodes"
-        raise SolverError(
-            f"the ILP solver (HiGHS) found no plan within {limit} (status {highs.modelStatusToString(model_status)}); "
-            "raise solver_time_limit or restrict the options (modes, max_split)"
-        )
-    value, lower = float(info.objective_function_value), float(info.mip_dual_bound)
-    achieved = _relative_gap(value, lower)
-    if stopped is not None:
-        status = stopped
-    elif achieved > 1e-9:
-        status = f"within gap {gap:g}"
-    else:
-        status = "optimal"
-    bound = lower if math.isfinite(lower) else None
-    if cutoff is not None and bound is not None:
-        # HiGHS's dual bound is of the plans under the cutoff only: those at or above it it never looked at, and
-        # its bound can exceed the cutoff (and the incumbent). Every plan is at least the smaller of the two.
-        bound = min(bound, float(cutoff))
-    return read(), SolveResult(status, achieved, elapsed, value, lower=bound, complete=complete, stopped=stopped)
 
 
 def _footprint(c: SegmentCosts) -> int:
@@ -1307,7 +1050,7 @@ def solve(
         recompute: whether segments may recompute their activations: ``"auto"`` (where it pays), ``True`` (every
             segment that saves activations does), ``False`` (none does).
         solver: the MILP solver every phase runs on: ``"highs"`` (HiGHS in process, the only one; ``"cbc"`` is
-            deprecated and plans on HiGHS with a ``FutureWarning``); see [Note: the MILP solver].
+            deprecated and plans on HiGHS with a ``FutureWarning``); see ``highs.py``'s [Note: the MILP solver].
 
     Returns:
         a :class:`~lightning_osdp.plan.Plan` whose ``report`` (a :class:`~lightning_osdp.SolveReport`) holds

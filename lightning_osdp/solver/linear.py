@@ -181,12 +181,16 @@ class LinearBackend:
         return self.objective.const + sum(terms.get(self.binaries[(key, o)], 0.0) for key, o in chosen.items())
 
     def peak(self, chosen: Mapping[Hashable, Hashable]) -> float:
-        """The largest checkpoint (MiB) under ``chosen``: :meth:`evaluator` over every checkpoint, in arrays (the
-        solver scores every plan its phases offer with it, so it is on the solve's path)."""
+        """The largest checkpoint (MiB) under ``chosen`` (the solver scores every plan its phases offer with it, so
+        it is on the solve's path)."""
+        return float(self.rows(chosen).max())
+
+    def rows(self, chosen: Mapping[Hashable, Hashable]) -> np.ndarray:
+        """Every checkpoint's value (MiB) under ``chosen``, in order: :meth:`evaluator` over them, in arrays."""
         compiled = self._compiled
         if compiled is None or compiled.sizes != (len(self.variables), len(self.checkpoints)):
             compiled = self._compiled = _Compiled(self)
-        return compiled.peak(self, chosen)
+        return compiled.rows(self, chosen)
 
     def evaluator(self, chosen: Mapping[Hashable, Hashable]) -> Callable[[LinExpr], float]:
         """A function evaluating expressions under ``chosen`` (every auxiliary computed once, in order: a
@@ -231,7 +235,7 @@ class _Compiled:
         self.coefficient_of_term = np.fromiter((c for e in rows for c in e.terms.values()), dtype=np.float64)
         self.row_constants = np.array([e.const for e in rows], dtype=np.float64)
 
-    def peak(self, be: LinearBackend, chosen: Mapping[Hashable, Hashable]) -> float:
+    def rows(self, be: LinearBackend, chosen: Mapping[Hashable, Hashable]) -> np.ndarray:
         values = np.zeros(self.sizes[0])
         for key, option in chosen.items():
             index = be.binaries.get((key, option))
@@ -243,7 +247,7 @@ class _Compiled:
         rows = np.bincount(
             self.row_of_term, weights=self.coefficient_of_term * values[self.variable_of_term], minlength=self.sizes[1]
         )
-        return float((rows + self.row_constants).max())
+        return rows + self.row_constants
 
 
 def _clean(name: str) -> str:
