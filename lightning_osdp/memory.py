@@ -237,8 +237,7 @@ def return_freed_blocks(threshold: int = FREED_BLOCK_THRESHOLD) -> bool:
 
     The strategies set it when they learn their devices (the Trainer's or Fabric's construction), not at setup: a
     block freed before then (an import, building the data or the model) has already raised the threshold, and blocks
-    then taken from the heap and freed leave holes in it that stay resident. On one rank of the GPT above, the heap
-    had grown by 108 MiB before setup, 9 MiB of it still free at the step's peak (``docs/benchmarks.md``).
+    then taken from the heap and freed leave holes in it that stay resident (``docs/benchmarks.md`` measures it).
     """
     import ctypes
     import os
