@@ -173,12 +173,13 @@ class AnyPlanFits:
         plan, smallest = self.planner.smallest_plan(profile, self.topology, settle_at=self.budget)
         if smallest > self.budget:
             return Probe(False, smallest)
-        budget = self.budget
-        for _ in range(CARD_ROUNDS):
+        for lowering in range(CARD_ROUNDS + 1):
             if self._on_card(profile, plan):
                 if all(d.mode in SHARDED_MODES for d in plan.decisions.values()) and plan not in self.held:
                     self.held = [*self.held, plan][-_HELD:]
                 return Probe(True, smallest)
+            if lowering == CARD_ROUNDS:
+                break
             # Over the card: whether a plan under the budget lowered by the excess fits, as the run lowers it
             # (PlannerOptions.plan's [Note: the plan within the card]), asked as a least-memory question again.
             memory = plan_device_memory(predict(profile, plan, self.topology), plan, self.topology)
