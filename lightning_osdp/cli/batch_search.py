@@ -183,9 +183,7 @@ class AnyPlanFits:
             # Over the card: whether a plan under the budget lowered by the excess fits, as the run lowers it
             # (PlannerOptions.plan's [Note: the plan within the card]), asked as a least-memory question again.
             memory = plan_device_memory(predict(profile, plan, self.topology), plan, self.topology)
-            budget = with_headroom(
-                max(memory.allocated - (memory.device_total - (self.card_bytes or 0)), 0), self.planner.memory_headroom
-            )
+            budget = self.planner.budget_within_card(memory, self.card_bytes or 0)
             plan, lowered = self.planner.smallest_plan(profile, self.topology, settle_at=budget)
             if lowered > budget:
                 break

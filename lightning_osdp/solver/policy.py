@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_osdp.budget import format_bytes, parse_memory_budget
 from lightning_osdp.cost_model.config import CostModelConfig
@@ -34,6 +34,9 @@ from lightning_osdp.profiling.model_profile import ModelProfile
 from lightning_osdp.solver.candidates import Recompute
 from lightning_osdp.solver.ilp import DEFAULT_GAP, DEFAULT_SOLVER, InfeasibleBudgetError, minimum_plan, solve
 from lightning_osdp.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_osdp.cost_model.device_memory import DeviceMemory
 
 __all__ = [
     "DEFAULT_MEMORY_HEADROOM",
@@ -296,12 +299,9 @@ class PlannerOptions:
         topo = topology if isinstance(topology, Topology) else Topology.flat(topology)
         for _ in range(CARD_ROUNDS):
             memory = plan_device_memory(predict(profile, plan, topo), plan, topo)
-            excess = memory.device_total - card_bytes
-            if excess <= 0:
+            if memory.fits(card_bytes):
                 return plan
-            # The allocated peak must come down by the excess: the budget whose planned share (less the headroom)
-            # is that.
-            budget = int((memory.allocated - excess) / (1 - self.memory_headroom))
+            budget = self.budget_within_card(memory, card_bytes)
             try:
                 plan = plan_model(profile, budget, topo, gap=self.solver_gap, **self._keywords())
             except InfeasibleBudgetError:
@@ -311,6 +311,11 @@ class PlannerOptions:
                 f"the {format_bytes(card_bytes)} card"
             )
         return plan
+
+    def budget_within_card(self, memory: DeviceMemory, card_bytes: int) -> int:
+        """The budget under which a plan's allocated peak is ``memory``'s less what its device total exceeds the card
+        by (the allocated peak must come down by the excess; see [Note: the plan within the card])."""
+        return with_headroom(max(memory.allocated - (memory.device_total - card_bytes), 0), self.memory_headroom)
 
     def smallest_budget(
         self, profile: ModelProfile, topology: int | Topology, *, settle_at: int | str | None = None
