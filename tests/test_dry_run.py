@@ -215,7 +215,7 @@ def test_the_readme_dry_run_adds_little_beyond_compute_and_communication(capsys:
             step, abs=0.5
         ), name
         assert exposed <= comm[name]
-        # OSDP recomputes where the card needs it (cli/plan.py [Note: the plan within the card]).
+        # OSDP recomputes where the card needs it (PlannerOptions.plan's [Note: the plan within the card]).
         if name != "OSDP":
             assert (recompute > 0) == name.endswith(("+AC", "+SAC"))
         # 1.3B fp32 parameters (5.2 GB): even DDP's optimizer over all of them is ~0.2 s at the card's 806 GB/s.

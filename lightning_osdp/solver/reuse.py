@@ -12,9 +12,9 @@ segment again. An equal key is an equal problem, so a reused problem is never st
 order of a dict, are only another key: a problem built again, never a wrong one.)
 
 ``osdp plan`` solves one profile several times: the plan at the requested batch size, again under a lower budget
-when its device total exceeds the card (``cli/plan.py``'s [Note: the plan within the card]), the batch search's
-probe at that size, and the same again at the largest batch found. Outside the scope nothing is kept (a strategy
-plans once; a cache without an end would hold every profile a long process planned).
+when its device total exceeds the card (``PlannerOptions.plan``'s [Note: the plan within the card]), the batch
+search's probe at that size, and the same again at the largest batch found. Outside the scope nothing is kept (a
+strategy plans once; a cache without an end would hold every profile a long process planned).
 
 Why a probe at another batch size cannot reuse the segment simulations themselves: only the parameters', gradients'
 and optimizer state's bytes of a segment do not depend on the batch, and a simulation's figures are the largest
