@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_osdp.cost_model import Prediction, predict
-from lightning_osdp.cost_model.device_memory import plan_device_memory
+from lightning_osdp.cost_model.device_memory import DeviceMemory, plan_device_memory
 from lightning_osdp.cost_model.units import SHARDED_MODES
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import ModelProfile
@@ -174,7 +174,8 @@ class AnyPlanFits:
         if smallest > self.budget:
             return Probe(False, smallest)
         for lowering in range(CARD_ROUNDS + 1):
-            if self._on_card(profile, plan):
+            memory = self._device_memory(profile, plan)
+            if memory is None or memory.fits(self.card_bytes or 0):
                 if all(d.mode in SHARDED_MODES for d in plan.decisions.values()) and plan not in self.held:
                     self.held = [*self.held, plan][-_HELD:]
                 return Probe(True, smallest)
@@ -182,7 +183,6 @@ class AnyPlanFits:
                 break
             # Over the card: whether a plan under the budget lowered by the excess fits, as the run lowers it
             # (PlannerOptions.plan's [Note: the plan within the card]), asked as a least-memory question again.
-            memory = plan_device_memory(predict(profile, plan, self.topology), plan, self.topology)
             budget = self.planner.budget_within_card(memory, self.card_bytes or 0)
             plan, lowered = self.planner.smallest_plan(profile, self.topology, settle_at=budget)
             if lowered > budget:
@@ -191,7 +191,14 @@ class AnyPlanFits:
 
     def _on_card(self, profile: ModelProfile, plan: Plan, prediction: Prediction | None = None) -> bool:
         """Whether ``plan``'s device total fits the card (always, without one)."""
+        memory = self._device_memory(profile, plan, prediction)
+        return memory is None or memory.fits(self.card_bytes or 0)
+
+    def _device_memory(
+        self, profile: ModelProfile, plan: Plan, prediction: Prediction | None = None
+    ) -> DeviceMemory | None:
+        """``plan``'s device memory on the card (``None`` without one), from ``prediction`` when it is made."""
         if self.card_bytes is None:
-            return True
+            return None
         prediction = prediction if prediction is not None else predict(profile, plan, self.topology)
-        return plan_device_memory(prediction, plan, self.topology).fits(self.card_bytes)
+        return plan_device_memory(prediction, plan, self.topology)
