@@ -50,8 +50,11 @@ class SetupLog:
         return result[0]
 
     def finish(self) -> float:
-        """Log the whole setup's seconds, by stage; returns them."""
+        """Log the whole setup's seconds, by stage; returns them. A setup that ran no stage (``trainer.validate``
+        after ``fit``, whose plan is already applied) logs nothing."""
         total = time.perf_counter() - self._started
+        if not self.stages:
+            return total
         parts = ", ".join(f"{what} {seconds:.1f} s" for what, seconds in self.stages)
         self._log(f"OSDP: setup took {total:.1f} s" + (f" ({parts})" if parts else ""))
         return total

@@ -261,8 +261,9 @@ def test_resume_reuses_the_saved_plan_and_profile_unless_the_budget_changed(
 
 def test_setup_says_each_stage_as_it_starts_and_ends_with_its_seconds(caplog: pytest.LogCaptureFixture) -> None:
     train, _ = loaders()
+    trainer, model = _trainer(OSDPStrategy(memory_budget="1GiB")), TinyGPT()
     with caplog.at_level("INFO"):
-        _trainer(OSDPStrategy(memory_budget="1GiB")).fit(TinyGPT(), train)
+        trainer.fit(model, train)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("OSDP:")]
     stages = ["profiling the model", "solving the plan", "applying the plan"]
     for stage in stages:
@@ -274,6 +275,11 @@ def test_setup_says_each_stage_as_it_starts_and_ends_with_its_seconds(caplog: py
     assert "measured" in next(line for line in lines if line.startswith("OSDP: profiling the model: "))
     assert "under 1.00 GiB per device" in next(line for line in lines if line.startswith("OSDP: solving the plan: "))
     assert any(line.startswith("OSDP: setup took ") for line in lines[started[-1] :])
+    # Validating after fit sets up again with the plan applied: no stage runs, and no "setup took 0.0 s" is logged.
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        trainer.validate(model, train, verbose=False)
+    assert not [r.getMessage() for r in caplog.records if r.getMessage().startswith("OSDP: setup took")]
 
 
 def test_an_accumulating_step_is_planned_with_the_gradients_held_between_its_micro_batches() -> None:

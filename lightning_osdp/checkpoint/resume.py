@@ -167,7 +167,7 @@ def resume_plan(
             None,
             f"re-planning: the memory budget changed from {before} (checkpoint {saved.source}) to {now} per device",
         )
-    budget = format_bytes(memory_budget) if memory_budget is not None else "unknown"
+    budget = format_bytes(memory_budget) if memory_budget is not None else "the default"
     return PlanChoice(
         saved.plan,
         saved.profile,
