@@ -245,9 +245,11 @@ def main() -> None:
     for case, ranks in results.items():
         for rank, r in enumerate(ranks):
             step = f"{r['step_peak'] / mib:10.1f}Mi" if r["step_peak"] else f"{'n/a':>12}"
+            # A memory-tracked step is not timed: a run whose every step was tracked has no step time (None).
+            seconds = f"{r['step_time']:7.2f}" if r["step_time"] is not None else f"{'-':>7}"
             print(
                 f"{case:6} {rank:>4} {r['setup_peak'] / mib:10.1f}Mi {step} {(r['vm_hwm'] - base) / mib:11.1f}Mi"
-                f" {r['step_time'] or 0:7.2f}"
+                f" {seconds}"
                 f"  {r['plan']} / {r['profile_mode']}{'' if r['losses_finite'] else ' (non-finite loss)'}"
             )
     if args.breakdown and "tiny" in results:
