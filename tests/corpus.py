@@ -2,9 +2,9 @@
 
 Each module is written the way its library's users write one (the Lightning, Hugging Face, litgpt and torchmetrics
 tutorials): steps that log ``loss.item()``, branch on values, all-gather for logging, route tokens with ``nonzero``,
-take dict batches, pad each batch to its own length, freeze a backbone, accumulate and clip. Nothing here knows about
-OSDP. ``CASES`` names each with its data and Trainer arguments; ``tests/distributed/corpus_runner.py`` trains them
-under ``strategy="osdp"`` and Lightning's DDP.
+take dict batches, pad each batch to its own length, freeze a backbone, accumulate and clip, build their layers in
+``configure_model``. Nothing here knows about OSDP. ``CASES`` names each with its data and Trainer arguments;
+``tests/distributed/corpus_runner.py`` trains them under ``strategy="osdp"`` and Lightning's DDP.
 
 timm's ResNet and ViT need torchvision, whose PyPI wheels are built against CUDA torch and do not import beside the CPU
 build this suite pins (``operator torchvision::nms does not exist``); Hugging Face's ResNet (BatchNorm) and ViT stand
@@ -433,6 +433,53 @@ class FrozenBackboneAdapters(LossRecorder):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
 
+class LazyEncoder(LossRecorder):
+    """Layers built in ``configure_model`` (Lightning's hook for sharded strategies) from ``torch.nn``'s own
+    ``TransformerEncoder``; a metric object logged, a OneCycle schedule over ``trainer.estimated_stepping_batches``
+    stepped every batch, ``self.print`` of the loss every few steps, a validation loop logging with ``sync_dist``."""
+
+    def __init__(self, tokens: int = 4, width: int = 32, depth: int = 2, classes: int = 5) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.encoder: nn.Module | None = None
+        self.train_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=classes)
+
+    def configure_model(self) -> None:
+        if self.encoder is not None:
+            return
+        h = self.hparams
+        self.embed = nn.Linear(32 // h.tokens, h.width)
+        layer = nn.TransformerEncoderLayer(h.width, 2, 2 * h.width, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, h.depth, enable_nested_tensor=False)
+        self.head = nn.Linear(h.width, h.classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        assert self.encoder is not None
+        tokens = self.embed(x.view(x.shape[0], self.hparams.tokens, -1))
+        return self.head(self.encoder(tokens).mean(1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.losses.append(loss.item())
+        if self.global_step % 3 == 0:
+            self.print(f"step {self.global_step}: loss {loss.item():.4f}")
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        total = int(self.trainer.estimated_stepping_batches)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
 def _adapt(out: Any, adapter: nn.Module) -> Any:
     hidden = out[0] if isinstance(out, tuple) else out
     hidden = hidden + adapter(hidden)
@@ -451,6 +498,9 @@ class Case:
     meta: bool = False
     #: DDP's ``find_unused_parameters`` (manual optimization that toggles optimizers, routing that skips experts)
     unused_parameters: bool = False
+    #: The optimizer class the budgets are computed with, for a module whose ``configure_optimizers`` reads its
+    #: Trainer (``estimated_stepping_batches``): the budgets are profiled outside one (``None``: the module's own)
+    optimizer: type[torch.optim.Optimizer] | None = None
 
 
 def _tokens(batch_size: int = 4, **kwargs: Any) -> Callable[[], DataLoader[Any]]:
@@ -473,4 +523,10 @@ CASES: dict[str, Case] = {
     # Sequence lengths vary per batch (padded to each batch's longest); the first batch is not the longest.
     "varlen": Case(GPT2FineTune, _tokens(lengths=(8, 12, 10, 9, 30, 11, 7, 14))),
     "adapters": Case(FrozenBackboneAdapters, _tokens(lengths=(20, 24, 16, 24))),
+    "lazy": Case(
+        LazyEncoder,
+        lambda: DataLoader(RandomFeatures(), batch_size=16, shuffle=True),
+        {"limit_val_batches": 2},
+        optimizer=torch.optim.AdamW,
+    ),
 }

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import Tensor, nn
@@ -866,3 +867,34 @@ def test_timed_repetitions_run_without_the_callers_dispatch_modes() -> None:
     # Three more repetitions of two timed steps each would add thousands; a handful of bookkeeping operators between
     # them (outside the timed sections) is all the caller may see.
     assert abs(seen[1] - seen[0]) < 0.02 * seen[0], seen
+
+
+class BuiltInConfigureModel(L.LightningModule):
+    """Layers made in ``configure_model``, as Lightning's sharded strategies ask (the hook must be idempotent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: nn.Module | None = None
+        self.calls = 0
+
+    def configure_model(self) -> None:
+        self.calls += 1
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        assert self.net is not None
+        return self.net(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_that_builds_its_layers_in_configure_model_is_profiled_built() -> None:
+    module = BuiltInConfigureModel()
+    assert not list(module.parameters())
+    profiled = profile(module, torch.randn(4, 8), mode="measured", repeats=1)
+    # The hook ran, as the Trainer runs it before a strategy's setup, and the profile has the layers it built.
+    assert module.calls == 1 and module.net is not None
+    assert {"net.0", "net.2"} <= set(profiled.modules)
+    assert profiled.modules["net.0"].param_bytes == 4 * (8 * 16 + 16)

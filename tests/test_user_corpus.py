@@ -2,13 +2,14 @@
 
 The corpus (``tests/corpus.py``) is user-style modules: Hugging Face GPT-2 (dict batches, ``labels=``,
 ``out.loss.item()`` logged), a Hugging Face Llama built on meta and loaded from a ``save_pretrained`` folder, Hugging
-Face ResNet (BatchNorm, torchmetrics, a validation loop) and ViT, litgpt's GPT with gradient accumulation and
-clipping, a torchmetrics collection computed at epoch end, a GAN under manual optimization, a step that skips
-non-finite losses and logs every k batches through ``self.all_gather``, Hugging Face Mixtral and a hand-written
-mixture of experts (top-k routing with ``nonzero``), sequence lengths that vary per batch, and a frozen backbone with
-trainable adapters. Each trains under OSDP given nothing but a budget, an ample one and a tight one (the planner must
-shard and recompute), against Lightning's DDP with the same seed, in one ``torchrun`` launch of 2 ranks
-(``tests/distributed/corpus_runner.py``).
+Face ResNet (BatchNorm, torchmetrics, a validation loop) and ViT, litgpt's GPT with gradient accumulation and clipping,
+a torchmetrics collection computed at epoch end, a GAN under manual optimization, a step that skips non-finite losses
+and logs every k batches through ``self.all_gather``, Hugging Face Mixtral and a hand-written mixture of experts (top-k
+routing with ``nonzero``), sequence lengths that vary per batch, a frozen backbone with trainable adapters, and
+``torch.nn``'s ``TransformerEncoder`` built in ``configure_model`` with a OneCycle schedule over
+``trainer.estimated_stepping_batches``. Each trains under OSDP given nothing but a budget, an ample one and a tight one
+(the planner must shard and recompute), against Lightning's DDP with the same seed, in one ``torchrun`` launch of 2
+ranks (``tests/distributed/corpus_runner.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ MODELS = (
     "moe",
     "varlen",
     "adapters",
+    "lazy",
 )
 BUDGETS = ("ample", "tight")
 RUNS = [f"{model}:{kind}" for model in MODELS for kind in ("ddp", *BUDGETS)]

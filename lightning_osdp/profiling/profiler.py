@@ -76,7 +76,13 @@ from lightning_osdp.profiling.rates import DeviceRates, measure_copy_bandwidth, 
 from lightning_osdp.profiling.repeats import RepeatedBlocks, find_repeated_blocks, traced_by_depth
 from lightning_osdp.profiling.replica import fake_replica, measured_replica
 from lightning_osdp.profiling.selective import SelectiveFigures, measure_selective
-from lightning_osdp.profiling.step import LossFn, StepRunner, describe_batch, is_lightning_module
+from lightning_osdp.profiling.step import (
+    LossFn,
+    StepRunner,
+    describe_batch,
+    is_lightning_module,
+    is_lightning_module_class,
+)
 from lightning_osdp.profiling.timing import device_clock, timed_section
 from lightning_osdp.profiling.tracer import ModuleTracer, OpTally, StepRecord
 from lightning_osdp.profiling.values import StandInMethods, StandInValues
@@ -776,6 +782,16 @@ def _profile_locally_forked(request: _Request) -> ModelProfile:
     return profile
 
 
+def _configure_model(module: nn.Module) -> None:
+    """Build the layers a LightningModule makes in ``configure_model`` (the hook Lightning's sharded strategies build
+    models in), as the Trainer does before a strategy's setup: profiling the module as it was constructed would
+    find no parameters, or only some. Lightning requires the hook to be idempotent (it calls it at every fit,
+    validate, test and predict), so a module the Trainer has already configured is unchanged."""
+    base = next((cls for cls in type(module).__mro__ if is_lightning_module_class(cls)), None)
+    if base is not None and type(module).configure_model is not base.configure_model:  # type: ignore[attr-defined]
+        module.configure_model()  # type: ignore[operator]
+
+
 def profile(
     module: nn.Module,
     example_batch: Any,
@@ -806,7 +822,8 @@ def profile(
     Args:
         module: a LightningModule (the step is ``training_step(batch, 0)``; the loss is its return value or its
             ``"loss"``) or a plain ``nn.Module`` (``forward(batch)``, then ``loss_fn``), see ``step``. Its
-            parameters may be on the meta device (estimated mode).
+            parameters may be on the meta device (estimated mode). A LightningModule's ``configure_model`` runs
+            first, as the Trainer runs it before a strategy's setup (the hook is idempotent).
         example_batch: a representative, full-size batch (see [Note: the representative batch]).
         optimizer: the optimizer(s) built on ``module``'s parameters, an optimizer class, or a factory
             ``params -> optimizer``. Default: ``configure_optimizers()`` of a LightningModule; no optimizer for a
@@ -840,6 +857,7 @@ def profile(
             depends on tensor values.
     """
     start = time.perf_counter()
+    _configure_model(module)
 
     def local() -> tuple[dict[str, Any], int, int | None]:
         request = _request(

@@ -64,9 +64,14 @@ __all__ = ["ProfiledOptimizer", "StepRunner", "describe_batch", "is_lightning_mo
 LossFn = Callable[[Any, Any], Tensor]
 
 
+def is_lightning_module_class(cls: type) -> bool:
+    """Whether ``cls`` is Lightning's ``LightningModule`` itself (``lightning`` or ``pytorch_lightning``'s)."""
+    return cls.__name__ == "LightningModule" and "lightning" in cls.__module__
+
+
 def is_lightning_module(module: nn.Module) -> bool:
     """Whether ``module`` is a LightningModule (checked without importing Lightning for plain models)."""
-    return any(cls.__name__ == "LightningModule" and "lightning" in cls.__module__ for cls in type(module).__mro__)
+    return any(is_lightning_module_class(cls) for cls in type(module).__mro__)
 
 
 def describe_batch(batch: Any) -> dict[str, Any]:

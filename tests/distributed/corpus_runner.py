@@ -48,7 +48,9 @@ def budgets(case: Case) -> dict[str, int]:
     # As the strategy profiles it: with the Trainer's gradient accumulation.
     accumulation = case.trainer.get("accumulate_grad_batches", 1)
     measured, estimated = (
-        dataclasses.replace(profile(model, batch, mode=mode), gradient_accumulation=accumulation)
+        dataclasses.replace(
+            profile(model, batch, mode=mode, optimizer=case.optimizer), gradient_accumulation=accumulation
+        )
         for mode in ("measured", "estimated")
     )
     ddp = predict(measured, Plan.uniform(model, "no_shard"), dist.get_world_size()).peak_bytes
@@ -107,7 +109,8 @@ def run(spec: str, out: Path) -> None:
     against_measured = None
     if predicted is not None and profiled.mode != "measured" and os.environ.get("CORPUS_COMPARE_PROFILES"):
         torch.manual_seed(0)
-        measured = profile(case.build(), largest_batch(case.loader(), scanned=10**9)[0], mode="measured")
+        batch = largest_batch(case.loader(), scanned=10**9)[0]
+        measured = profile(case.build(), batch, mode="measured", optimizer=case.optimizer)
         measured = dataclasses.replace(measured, gradient_accumulation=profiled.gradient_accumulation)
         against_measured = predict(measured, trainer.strategy.plan, dist.get_world_size()).step_seconds
     result = {
