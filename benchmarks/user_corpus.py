@@ -5,7 +5,9 @@ corpus model at its ample budget (a copy of the step is measured) and its tight 
 by one), on 2 CPU ranks, for ``--epochs`` epochs so that enough steps run untracked to be timed
 (``lightning_osdp/step_monitor.py`` [Note: timed steps]), and prints one markdown table: the budget, the measured
 step and setup peaks (the larger rank's), predicted over measured peak, and the predicted and measured step time
-(rank 0's median of its untracked steps after the first) with their ratio; for a run planned on fake tensors, the
+(rank 0's median of its untracked steps after the first) with their ratio, and rank 0's fastest step with the
+prediction's ratio to it (two ranks on two cores: another process on the machine stretches some steps, whichever rank
+it preempts, and the fastest is the step it left alone); for a run planned on fake tensors, the
 same plan predicted from a profile measured on a copy too (what the fake-tensor path costs in accuracy, apart from
 how the step's time is modelled). ``--rounds`` repeats the whole launch; the table gives each ratio's median over
 rounds and its range, which is the A/A spread of the measurement.
@@ -94,9 +96,9 @@ def main() -> None:
     print(f"{args.rounds} round(s), {args.epochs} epochs, {cpu:.0f} s of CPU in the launches\n")
     print(
         "| model | budget | MiB | step peak | setup peak | peak pred/meas | mode | step pred ms | step meas ms "
-        "| time pred/meas | timed steps | pred from a measured profile ms |"
+        "| time pred/meas | fastest step ms | pred/fastest | timed steps | pred from a measured profile ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for kind in ("ample", "tight"):
             runs = [rnd[(model, kind)] for rnd in rounds]
@@ -107,13 +109,17 @@ def main() -> None:
             predicted = [ranks[0]["predicted_step_time"] * 1e3 for ranks in runs if ranks[0]["predicted_step_time"]]
             measured = [ranks[0]["step_time"] * 1e3 for ranks in runs if ranks[0]["step_time"]]
             ratios = [p / m for p, m in zip(predicted, measured, strict=False)]
+            # The fastest timed step: what the step takes when no other process holds a core (see the module's doc).
+            fastest = [min(ranks[0]["step_seconds"]) * 1e3 for ranks in runs if ranks[0]["step_seconds"]]
+            to_fastest = [p / f for p, f in zip(predicted, fastest, strict=False)]
             # The same plan from a profile measured on a copy (fake-tensor runs only; see corpus_runner.py).
             alternative = [r[0]["predicted_from_measured_profile"] for r in runs]
             alternative = [a * 1e3 for a in alternative if a]
             print(
                 f"| {model} | {kind} | {first['budget'] / MIB:.3f} | {max(peaks) / MIB:.3f} | {max(setup) / MIB:.3f} "
                 f"| {_spread(memory)} | {first['profile_mode']} | {_spread(predicted)} | {_spread(measured)} "
-                f"| {_spread(ratios)} | {first['timed_steps']} | {_spread(alternative)} |"
+                f"| {_spread(ratios)} | {_spread(fastest)} | {_spread(to_fastest)} | {first['timed_steps']} "
+                f"| {_spread(alternative)} |"
             )
 
 
