@@ -898,3 +898,24 @@ def test_a_module_that_builds_its_layers_in_configure_model_is_profiled_built() 
     assert module.calls == 1 and module.net is not None
     assert {"net.0", "net.2"} <= set(profiled.modules)
     assert profiled.modules["net.0"].param_bytes == 4 * (8 * 16 + 16)
+
+
+def test_an_operator_with_a_kernel_of_its_own_is_traced_as_one_pass_not_its_composite_form() -> None:
+    # silu_backward (every SwiGLU block's backward) has a composite form of about eight operators beside its kernel:
+    # traced as the composite, its backward was charged eight passes over the activation and their transients.
+    from lightning_osdp.profiling.tracer import ModuleTracer
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.SiLU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    tracer = ModuleTracer(model)
+    with tracer.iteration(ops=True) as record:
+        with tracer.forward():
+            loss = model(x).square().sum()
+        tracer.backward(loss)
+    silu = record.modules["1"]
+    assert silu.fwd_ops.memory_ops == 1 and silu.bwd_ops.memory_ops == 1
+    # One pass: the gradient of the output and the input read, the gradient of the input written.
+    assert silu.bwd_ops.memory_bytes == 3 * 8 * 64 * 4
+    # An operator that exists only as its composite still decomposes into the ones that have FLOP formulas.
+    linear = record.modules["0"]
+    assert linear.fwd_flops == 2 * 8 * 16 * 64

@@ -398,7 +398,7 @@ class _OpRecorder(TorchDispatchMode):
         if func in _METADATA:
             return func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet not in self.registry:
+        if packet not in self.registry and not _has_kernel(func):
             # As FlopCounterMode: a composite operator may decompose into ones that have FLOP formulas.
             with self:
                 result = func.decompose(*args, **kwargs)
@@ -424,6 +424,27 @@ class _OpRecorder(TorchDispatchMode):
         else:
             self.tracer._record_op(0, _traffic(func, packet, args, kwargs, out))
         return out
+
+
+#: Dispatch keys whose kernel runs an operator as one: an operator with one is not decomposed (see `_has_kernel`).
+_KERNEL_KEYS = ("CPU", "CUDA", "CompositeExplicitAutograd")
+
+
+@functools.cache
+def _has_kernel(func: Any) -> bool:
+    """Whether ``func`` runs as a kernel of its own on a device, rather than only as its composite decomposition.
+
+    [Note: which operators decompose]
+    FlopCounterMode decomposes every operator it has no formula for, to find the matmuls of a composite one (``linear``,
+    ``einsum``). Some operators with a kernel of their own also carry a composite form for backends that lack one:
+    ``silu_backward``, which autograd calls in every SwiGLU block's backward, runs as one kernel on the CPU and CUDA,
+    while its composite form is about eight operators, each a pass over the activation and a transient of its size.
+    Traced as the composite, a Llama block's backward was charged those passes and those transients (on a 70B
+    model, several GiB of a peak that no real run holds). Only an operator that exists as its composite alone is
+    decomposed: that is what runs on the device too.
+    """
+    name = func.name()
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in _KERNEL_KEYS)
 
 
 def _tensor_bytes(args: Any, kwargs: Any, out: Any) -> int:
