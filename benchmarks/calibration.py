@@ -12,21 +12,22 @@ here: its attention kernel (``hardware.py``'s ``ATTENTION_KERNEL_SPEED``), torch
 (:func:`_with_published_policy`), the fused kernels it runs ([Note: fused kernels]), how it accumulates gradients
 ([Note: accumulation as the source runs it]) and the precision of its loss.
 
-Calibration. The calibrated constants are ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py``
-[Note: a training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training
-step reaches, one per GPU generation (Hopper, Ampere). Every profile time is ``a + b / efficiency`` (operators'
-latency and memory-bound work, plus FLOPs at the rate), so each run is traced twice (at efficiency 1 and 1/2) and its
-profile at any other efficiency follows exactly, as ``cli.estimate.BatchScaledProfile`` does for the batch size (up
-to operators that change sides of the roofline between the two, whose bytes are small). The cost model is run exactly
-at efficiency 1 and 0.6 and linearly interpolated in ``1 / efficiency`` between them to search the grid (the script
-prints how far that is from the exact prediction at the chosen values); every figure in the tables is exact. Each
-generation's efficiency is the grid value with the least mean absolute log error of throughput over the calibrating
-runs on that generation: "all" calibrates on every eager run, "held out" predicts each source's runs with the values
-calibrated on the other sources' eager runs only. Runs whose step was compiled (torch.compile) or hand-fused are
-predicted with their fused kernels ([Note: fused kernels]) and reported but not calibrated on: ``osdp plan`` traces a
-model's eager step, so its constants are fitted where that trace is the step. ``--calibrate-memory`` adds the
-memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``, else kept at its assumed value), traced
-a third time at half of it and interpolated bilinearly.
+Calibration. The calibrated constants are ``TRAINING_MATMUL_EFFICIENCY`` (``lightning_osdp/cli/hardware.py`` [Note: a
+training step is not a microbenchmark]): the share of the published matmul and attention ceilings a training step
+reaches, one per GPU generation (Hopper, Ampere). Every profile time is ``a + b / efficiency`` (operators' latency and
+memory-bound work, plus FLOPs at the rate), so each run is traced twice (at efficiency 1 and 1/2) and its profile at
+any other efficiency follows exactly, as ``cli.estimate.BatchScaledProfile`` does for the batch size (up to operators
+that change sides of the roofline between the two, whose bytes are small). The cost model is run exactly at efficiency
+1 and 0.6 and linearly interpolated in ``1 / efficiency`` between them to search the grid (the script prints how far
+that is from the exact prediction at the chosen values); every figure in the tables is exact. Each generation's
+efficiency is the grid value with the least mean absolute log error of throughput over the calibrating runs on that
+generation, each source one vote ([Note: one vote per source]; ``--weight-by run``: each run one vote, the earlier
+estimator); the script prints each source's own value beside it. "all" calibrates on every eager run, "held out"
+predicts each source's runs with the values calibrated on the other sources' eager runs only. Runs whose step was
+compiled (torch.compile) or hand-fused are predicted with their fused kernels ([Note: fused kernels]) and reported but
+not calibrated on: ``osdp plan`` traces a model's eager step, so its constants are fitted where that trace is the
+step. ``--calibrate-memory`` adds the memory-bound operators' share of the DRAM bandwidth (``MEMORY_EFFICIENCY``, else
+kept at its assumed value), traced a third time at half of it and interpolated bilinearly.
 
 Memory. Beside the allocated peak, the reserved peak and the device total of ``cost_model/device_memory.py``, and
 whether the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
@@ -724,18 +725,51 @@ def efficiency_of(run: PublishedRun, rates: Rates) -> float:
     return rates[GENERATIONS.index(generation(run))]
 
 
+# [Note: one vote per source]
+# The calibrated efficiency is the share of the published ceilings a training stack reaches, and what sets it is the
+# stack: the source's code, kernels, library versions, cluster and power settings, which all runs of a source share.
+# So the runs of one source are not independent measurements of it: their errors at any efficiency move together
+# (on Hopper, llm-foundry's 2023-24 runs imply a smaller share than torchtitan's 2024 and KempnerForge's 2026 ones;
+# the script prints each source's own values), and the spread between sources is several times the uncertainty of
+# any one source's value. Counting runs would let the source with most rows set the constant (llm-foundry has most
+# of the eager Hopper runs) and hold the other stacks to it. So each source weighs the same: a generation's error is
+# the mean over its sources of the mean absolute log error of each source's runs, as a random-effects average weighs
+# studies when the spread between them dwarfs each one's own uncertainty (DerSimonian and Laird, 1986), and as the
+# validation already treats sources as the units it holds out. Under an absolute error this lands at the middle
+# source where the sources disagree. ``--weight-by run`` gives the earlier estimator (each run one vote).
+_WEIGHTINGS = ("source", "run")
+
+
+def calibration_error(
+    corners: dict[str, Corners], runs: list[PublishedRun], rates: Rates, weight_by: str = "source"
+) -> float:
+    """The mean absolute log error of throughput of ``runs`` at ``rates``, each source weighing the same (the mean
+    over sources of their runs' mean) or, with ``weight_by="run"``, each run (see [Note: one vote per source])."""
+    if weight_by not in _WEIGHTINGS:
+        raise ValueError(f"weight_by {weight_by!r} is not one of {', '.join(_WEIGHTINGS)}")
+    groups: dict[str, list[float]] = {}
+    for r in runs:
+        error = abs(math.log(corners[r.id].ratio(efficiency_of(r, rates), rates[2])))
+        groups.setdefault(r.source if weight_by == "source" else r.id, []).append(error)
+    return statistics.fmean(statistics.fmean(errors) for errors in groups.values())
+
+
 def calibrate(
-    corners: dict[str, Corners], runs: list[PublishedRun], memory_grid: tuple[float, ...] = (MEMORY_EFFICIENCY,)
+    corners: dict[str, Corners],
+    runs: list[PublishedRun],
+    memory_grid: tuple[float, ...] = (MEMORY_EFFICIENCY,),
+    weight_by: str = "source",
 ) -> Rates:
     """Per GPU generation, the grid's matmul efficiency with the least mean absolute log error of throughput over the
-    eager runs of ``runs`` on that generation (see :attr:`PublishedRun.calibrates`; a generation without any takes
-    the value that is best over all of them), at the memory share of the grid whose total error is least."""
+    eager runs of ``runs`` on that generation, each source weighing the same (see :attr:`PublishedRun.calibrates`
+    and [Note: one vote per source]; a generation without any takes the value that is best over all of them), at the
+    memory share of the grid whose total error is least."""
     eager = [r for r in runs if r.calibrates]
     if not eager:
         raise ValueError("no eager run to calibrate on")
 
     def error(subset: list[PublishedRun], e: float, m: float) -> float:
-        return statistics.fmean(abs(math.log(corners[r.id].ratio(e, m))) for r in subset)
+        return calibration_error(corners, subset, (e, e, m), weight_by)
 
     best: tuple[float, Rates] | None = None
     for m in memory_grid:
@@ -745,11 +779,24 @@ def calibrate(
             own = [r for r in eager if generation(r) == g]
             chosen.append(min(MATMUL_GRID, key=lambda e: error(own, e, m)) if own else shared)
         rates: Rates = (chosen[0], chosen[1], m)
-        total = statistics.fmean(abs(math.log(corners[r.id].ratio(efficiency_of(r, rates), m))) for r in eager)
+        total = calibration_error(corners, eager, rates, weight_by)
         if best is None or total < best[0]:
             best = (total, rates)
     assert best is not None
     return best[1]
+
+
+def implied_efficiency(corners: Corners, memory: float = MEMORY_EFFICIENCY) -> float:
+    """The matmul efficiency at which the run's prediction equals its published throughput (the step is linear in
+    ``1 / efficiency`` between the corners), without the grid's rounding."""
+    (e0, e1), m0 = MATMUL_CORNERS, MEMORY_CORNERS[0]
+    if memory != m0:
+        raise ValueError(f"implied efficiency at memory {m0} only, not {memory}")
+    run = corners.run
+    published_step = run.micro_batch * run.seq_len / run.tokens_per_second_per_gpu
+    s0, s1 = corners.steps[e0, m0], corners.steps[e1, m0]
+    x = (published_step - s0) / (s1 - s0)
+    return 1.0 / (1.0 / e0 + x * (1.0 / e1 - 1.0 / e0))
 
 
 def summary(
@@ -757,18 +804,19 @@ def summary(
     corners: dict[str, Corners],
     ratio: Callable[[PublishedRun, Rates], float] | None = None,
     memory_grid: tuple[float, ...] = (MEMORY_EFFICIENCY,),
+    weight_by: str = "source",
 ) -> list[dict[str, Any]]:
     """Per source: the rates calibrated on all runs and without the source, and the median and worst absolute
     throughput error of the source's runs at each, by ``ratio`` (predicted over published; default: the corners'
     interpolation)."""
     ratio = ratio or (lambda run, rates: corners[run.id].ratio(efficiency_of(run, rates), rates[2]))
-    everything = calibrate(corners, runs, memory_grid)
+    everything = calibrate(corners, runs, memory_grid, weight_by)
     rows = []
     for source in sorted({r.source for r in runs}):
         own = [r for r in runs if r.source == source]
         others = [r for r in runs if r.source != source]
         # One source only, or no other eager run: nothing to hold out.
-        held = calibrate(corners, others, memory_grid) if any(r.calibrates for r in others) else everything
+        held = calibrate(corners, others, memory_grid, weight_by) if any(r.calibrates for r in others) else everything
         row: dict[str, Any] = {"source": source, "runs": len(own), "rates_all": everything, "rates_held_out": held}
         for key, rates in (("all", everything), ("held_out", held)):
             errors = [abs(ratio(r, rates) - 1.0) for r in own]
@@ -795,6 +843,13 @@ def main() -> None:
         action="store_true",
         help="calibrate the memory-bound operators' share of the DRAM bandwidth too (a second constant)",
     )
+    parser.add_argument(
+        "--weight-by",
+        choices=_WEIGHTINGS,
+        default="source",
+        help="what weighs the same in the calibration: each source (default) or each run (the earlier estimator; "
+        "see [Note: one vote per source])",
+    )
     args = parser.parse_args()
     memory_grid = MEMORY_GRID if args.calibrate_memory else (MEMORY_EFFICIENCY,)
     only = args.only.split(",") if args.only else []
@@ -816,7 +871,7 @@ def main() -> None:
     def ratio(run: PublishedRun, rates: Rates) -> float:
         return at(run, rates).tokens_per_second_per_gpu / run.tokens_per_second_per_gpu
 
-    by_source = summary(runs, corners, ratio, memory_grid)
+    by_source = summary(runs, corners, ratio, memory_grid, args.weight_by)
     everything: Rates = by_source[0]["rates_all"]
     held = {s["source"]: s["rates_held_out"] for s in by_source}
     code: Rates = (TRAINING_MATMUL_EFFICIENCY["hopper"], TRAINING_MATMUL_EFFICIENCY["ampere"], MEMORY_EFFICIENCY)
@@ -825,10 +880,28 @@ def main() -> None:
         abs(corners[r.id].ratio(efficiency_of(r, everything), everything[2]) / ratio(r, everything) - 1) for r in runs
     )
     print(
-        f"Calibrated on all eager runs: matmuls and attention at {_rates(everything)} (the code's: {_rates(code)}); "
+        f"Calibrated on all eager runs, one vote per {args.weight_by}: matmuls and attention at {_rates(everything)} "
+        f"(the code's: {_rates(code)}); "
         f"grids {MATMUL_GRID[0]}-{MATMUL_GRID[-1]} and {memory_grid[0]}-{memory_grid[-1]}; the interpolation between "
         f"the corners is within {worst_interpolation:.1%} of the exact prediction there.\n"
     )
+    print(
+        "Each source's own share of the ceilings (the efficiency at which each eager run's prediction equals its "
+        "published throughput; [Note: one vote per source]):\n"
+    )
+    print("| generation | source | eager runs | implied efficiency: geometric mean | lowest - highest |")
+    print("|---|---|---|---|---|")
+    for g in GENERATIONS:
+        for source in sorted({r.source for r in runs}):
+            own = [
+                implied_efficiency(corners[r.id])
+                for r in runs
+                if r.calibrates and (r.source, generation(r)) == (source, g)
+            ]
+            if own:
+                mean = math.exp(statistics.fmean(math.log(e) for e in own))
+                print(f"| {g.title()} | {source} | {len(own)} | {mean:.3f} | {min(own):.3f} - {max(own):.3f} |")
+    print()
     print(
         "| source | runs | calibrated on all | held out: calibrated without the source | median error, all | "
         "worst, all | median error, held out | worst, held out |"

@@ -114,16 +114,17 @@ TFLOPS = 1e12
 # Both ceilings above are microbenchmarks: one kernel at a time, on a cool GPU, the best of a sweep of shapes. A
 # training step runs thousands of kernels back to back at sustained power, beside NCCL's kernels and the allocator,
 # on the shapes the model has, and the published eager-mode runs of docs/benchmarks.md ("Calibration against published
-# runs") sit below a prediction made at the ceilings. So a dry run
-# charges matmuls and attention at TRAINING_MATMUL_EFFICIENCY of their published ceilings: one constant per GPU
-# generation (the Hopper parts reach a smaller share of their microbenchmark maximum in training than the Ampere ones:
-# a higher ceiling against the same kinds of memory-bound work and stalls, and a maximum measured in short bursts of a
-# 700 W part), for all shapes, not a fit per run. Calibrated on the published eager-mode runs of
+# runs") sit below a prediction made at the ceilings. So a dry run charges matmuls and attention at
+# TRAINING_MATMUL_EFFICIENCY of their published ceilings: one constant per GPU generation (a generation's share
+# depends on its ceiling, its clocks under sustained power and the kernels the stacks have for it, which no
+# first-principles figure gives), for all shapes, not a fit per run. Calibrated on the published eager-mode runs of
 # ``benchmarks/published_runs.json`` (``benchmarks/calibration.py`` picks, per generation, the value whose mean
-# absolute log error of throughput is least) and checked leave-one-source-out (each source predicted with the values
-# calibrated without it). It applies where the ceiling is a published measurement; the round 70% of a data-sheet peak
-# below already stands for a training rate.
-TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.85, "ampere": 0.875}
+# absolute log error of throughput is least, each source one vote: its [Note: one vote per source]) and checked
+# leave-one-source-out (each source predicted with the values calibrated without it). The sources' own values differ
+# with their stacks (on Hopper a 2023 one reaches a smaller share than the 2024 and 2026 ones); the constant is the
+# one nearest to all of them. It applies where the ceiling is a published measurement; the round 70% of a
+# data-sheet peak below already stands for a training rate.
+TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.925, "ampere": 0.875}
 # [Note: attention kernels other than FlashAttention-2]
 # The attention points above are FlashAttention-2's (torch's SDPA flash kernel). A run on another kernel is charged at
 # that kernel's published speed relative to it, forward and backward together, weighted by the tracer's FLOPs
