@@ -176,3 +176,48 @@ def test_families_raise_the_count_masters_bound_where_counts_fill_the_end_of_a_r
     chosen, _ = problem.solve_ilp(be, budget=budget, gap=1e-3, time_limit=60.0)
     assert chosen is not None
     assert plain < raised <= be.step_time(chosen) + 1e-6
+
+
+@pytest.mark.parametrize("gap", [0.0, 1e-2])
+@pytest.mark.parametrize("where", [0, -1])
+def test_the_repair_of_an_arrangement_offers_only_plans_that_fit_and_its_status_holds(monkeypatch, gap, where):
+    # The repair of the count master's arrangement (``_search_neighbourhood`` with the blocks near the run's ends
+    # free) first looks only under the value the bound held proves, and stops at the first plan there; finding none
+    # (a gap of 0: the optimum itself is the cutoff), it searches the whole neighbourhood. Started from the optimum
+    # (enumerated) with one end block on its hungriest option (a row broken), the optimum as the bound: the plan it
+    # offers fits every row of the ILP, and the status it proves holds.
+    monkeypatch.setattr(ilp, "_NEIGHBOURHOOD", 2)  # a neighbourhood on a problem small enough to enumerate
+    problem, be = _problem(6, modes=("no_shard", "full_shard"), splits=(1,), recompute=False)
+    (run,) = runs.find_runs(be.source)
+    keys = list(be.options)
+    plans = [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(be.options[k] for k in keys))]
+    scored = [(be.peak(c), be.step_time(c)) for c in plans]
+    low, high = min(p for p, _ in scored), max(p for p, _ in scored)
+    budget = int((low + (high - low) * 0.1) * MIB)
+    rhs = ilp._rhs(budget)
+    optimum, best = min((t, i) for i, (p, t) in enumerate(scored) if p <= rhs)
+    block = run.keys[where]
+    start = {**plans[best], block: max(be.options[block], key=lambda o: be.peak({**plans[best], block: o}))}
+    assert be.peak(start) > rhs
+    runs_seen = []
+
+    def recorded(*args, **kwargs):
+        out = highs.run_mip(*args, **kwargs)
+        runs_seen.append((kwargs.get("cutoff"), out[0]))
+        return out
+
+    monkeypatch.setattr(ilp, "run_mip", recorded)
+    incumbent = ilp.Incumbent(be, budget=budget, gap=gap, started=0.0)
+    incumbent.raise_bound(optimum, "count master")
+    formulated = problem._formulate(be, budget)
+    assert formulated is not None
+    problem._search_neighbourhood(ilp._Formulation(*formulated, be=be), incumbent, {}, start, {block, run.keys[0]})
+    chosen, result = incumbent.result()
+    assert chosen is not None and be.peak(chosen) <= rhs
+    value = be.step_time(chosen)
+    assert (value - optimum) / value <= _claimed(result.status, gap) + 1e-9, (result, value, optimum)
+    assert runs_seen[0][0] == pytest.approx(optimum / (1 - gap))  # the first run looks only under what is proved
+    if gap:
+        assert len(runs_seen) == 1 and runs_seen[0][1] == chosen  # the plan is the first run's
+    else:
+        assert len(runs_seen) == 2  # nothing under the optimum itself: the whole neighbourhood searched

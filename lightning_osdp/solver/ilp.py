@@ -26,14 +26,18 @@ variables where the ILP has thousands). When it proves the gap the solve ends th
 with the incumbent and the general path follows, which is also the whole solve of a model without runs. When the
 master's last arrangement broke a row, it is repaired first: a small branch and bound with its blocks near the ends of
 each run free and the rest held to it (the master's counts are a few blocks from the faster plan; rounding's plan,
-within the gap of the master's tight bound, can be slower). Then the LP relaxation is solved (integrality dropped): a
-lower bound, with few fractional choices; each choice rounded to the most memory-frugal option the LP uses gives a plan
-that fits. Then, each stopping once the gap is proved: a small branch and bound over the fractional choices and a spread
-of others (the rest fixed) looks for the swaps rounding misses (the *neighbourhood*, on deep models only: on a shallow
-one it would free every choice); and HiGHS's branch and bound on the whole problem with the incumbent as its cutoff,
-``gapRel`` and a node limit, what it proves deciding between a proven optimum, a solution within the gap, a work-limit
-solution with the gap proved, infeasibility and failure. Every search stops on work, not on seconds: [Note: work
-limits].
+within the gap of the master's tight bound, can be slower). That branch and bound first looks only under the value the
+master's bound proves (:meth:`Incumbent.proving`), as its cutoff, and stops at the first plan there: the solve stops at
+that plan whatever the search would have found next, as it stops at the master's first arrangement that fits, and a
+cutoff that tight prunes most of HiGHS's tree and spares its heuristics the plans above it. Only when it finds none is
+the neighbourhood searched without a cutoff, for the plan the next phases start from. Then the LP relaxation is solved
+(integrality dropped): a lower bound, with few fractional choices; each choice rounded to the most memory-frugal option
+the LP uses gives a plan that fits. Then, each stopping once the gap is proved: a small branch and bound over the
+fractional choices and a spread of others (the rest fixed) looks for the swaps rounding misses (the *neighbourhood*, on
+deep models only: on a shallow one it would free every choice); and HiGHS's branch and bound on the whole problem with
+the incumbent as its cutoff, ``gapRel`` and a node limit, what it proves deciding between a proven optimum, a solution
+within the gap, a work-limit solution with the gap proved, infeasibility and failure. Every search stops on work, not on
+seconds: [Note: work limits].
 
 Each phase (``runs.count_and_arrange``, ``_search_neighbourhood``, ``_relax`` and ``_round_relaxation``,
 ``_branch_and_bound``) hands what it found to one :class:`Incumbent`: a plan replaces the one held only if it fits and
@@ -81,6 +85,7 @@ short limit, and gets one plan and status.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -260,6 +265,11 @@ class Incumbent:
             self.value <= self.settle_at
             or (self.lower is not None and self.lower >= self.settle_at * (1 + _SETTLE_MARGIN / 2))
         )
+
+    def proving(self) -> float | None:
+        """The value under which a plan would be :meth:`proved` by the lower bound held (``None`` without one): a
+        search's cutoff that asks only for such a plan."""
+        return None if self.lower is None else self.lower / (1 - self.gap)
 
     def cutoff(self) -> float | None:
         """What a search need look under, once a plan is held: better than it by more than the gap and, a question
@@ -663,7 +673,9 @@ class PlanningProblem:
         spread of other segments, every other choice fixed to the incumbent's. It finds the swaps rounding misses
         (one block to full_shard so that another can stay no_shard), in a problem small enough to solve at once.
         With ``start`` (the count master's arrangement that broke a row) the choices ``near`` the ends of its runs
-        are freed instead of a spread, the rest fixed to ``start``: the blocks whose instants it broke."""
+        are freed instead of a spread, the rest fixed to ``start``: the blocks whose instants it broke; the search then
+        first looks only under :meth:`Incumbent.proving` and stops at the first plan there (see [Note: solving]), and
+        only when that proves nothing searches the whole neighbourhood."""
         be, xs = f.be, f.xs
         start = incumbent.chosen if start is None else start
         keys = list(be.options)
@@ -680,18 +692,23 @@ class PlanningProblem:
                 x = xs[be.binaries[(key, o)]]
                 x.lowBound = x.upBound = 1.0 if start[key] == o else 0.0
                 fixed.append(x)
+        proving = incumbent.proving() if near is not None else None
         try:
-            incumbent.offer(
-                run_mip(
-                    f.prob,
-                    functools.partial(_chosen, be, xs),
-                    gap=incumbent.gap / 4,
-                    clock=incumbent.clock,
-                    nodes=_NODES["neighbourhood"],
-                )[0]
-            )
-        except SolverError:
-            pass
+            for cutoff in ([proving] if proving is not None else []) + [None]:
+                with contextlib.suppress(SolverError):
+                    incumbent.offer(
+                        run_mip(
+                            f.prob,
+                            functools.partial(_chosen, be, xs),
+                            gap=incumbent.gap / 4,
+                            clock=incumbent.clock,
+                            nodes=_NODES["neighbourhood"],
+                            cutoff=cutoff,
+                            first=cutoff is not None,
+                        )[0]
+                    )
+                if incumbent.within_gap():
+                    break
         finally:
             for x in fixed:
                 x.lowBound, x.upBound = 0, 1
