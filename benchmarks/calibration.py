@@ -33,7 +33,7 @@ Memory. Beside the allocated peak, the reserved peak and the device total of ``c
 whether the run fits its card on the device total; a published memory figure is compared with the quantity it is (the
 ``memory_kind`` of its row).
 
-Run from the repository root: ``python benchmarks/calibration.py`` (two traces and a few predictions per run: about
+Run from the repository root: ``python benchmarks/calibration.py`` (two traces and a few predictions per run: 1 to
 5 minutes on 2 busy cores; ``--only ID,ID`` for the runs whose id contains one of them); ``--out
 FILE`` writes the rows as JSON. It prints the markdown tables that docs/benchmarks.md keeps.
 """
