@@ -86,6 +86,7 @@ __all__ = [
     "default_store",
     "detach_sharing_version",
     "disable_current_modes",
+    "dispatch_has_kernel",
     "fake_tensor_mode",
     "fit_ckpt_path",
     "fit_train_dataloader",
@@ -209,6 +210,17 @@ def fake_tensor_mode() -> FakeTensorMode:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     return FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+
+
+def dispatch_has_kernel(operator: str, key: str) -> bool:
+    """Whether the operator named ``operator`` (``"aten::silu_backward"``) has a kernel registered for the dispatch
+    key ``key`` (``"CPU"``, ``"CUDA"``, ``"CompositeExplicitAutograd"``...).
+
+    ``torch._C._dispatch_has_kernel_for_dispatch_key`` (2.9-2.13): the dispatcher's registry has no public query;
+    ``OpOverload.decompose``, which FlopCounterMode calls, reads it the same way. The tracer asks it which operators
+    run as a kernel of their own (``profiling/tracer.py`` [Note: which operators decompose]).
+    """
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(operator, key))
 
 
 def is_fake(tensor: torch.Tensor) -> bool:

@@ -130,6 +130,14 @@ def test_lightning_classes_resolve_to_lightnings_own(name: str) -> None:
     assert getattr(_compat, name) is getattr(importlib.import_module(module), attribute)
 
 
+def test_dispatch_has_kernel_tells_an_operators_own_kernel_from_its_composite_form() -> None:
+    # silu_backward runs as one kernel on the CPU; linear exists only as its composite (addmm, mm).
+    assert _compat.dispatch_has_kernel("aten::silu_backward", "CPU")
+    assert _compat.dispatch_has_kernel("aten::silu_backward", "CompositeImplicitAutograd")
+    assert not _compat.dispatch_has_kernel("aten::linear", "CPU")
+    assert not _compat.dispatch_has_kernel("aten::linear", "CompositeExplicitAutograd")
+
+
 def test_unknown_names_are_attribute_errors() -> None:
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         _compat.NoSuchThing  # noqa: B018

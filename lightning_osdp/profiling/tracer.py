@@ -85,7 +85,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_osdp._compat import TorchDispatchMode, tree_leaves, tree_map
+from lightning_osdp._compat import TorchDispatchMode, dispatch_has_kernel, tree_leaves, tree_map
 
 if TYPE_CHECKING:
     from lightning_osdp.profiling.loss_region import LossRegionRecorder
@@ -444,7 +444,7 @@ def _has_kernel(func: Any) -> bool:
     decomposed: that is what runs on the device too.
     """
     name = func.name()
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in _KERNEL_KEYS)
+    return any(dispatch_has_kernel(name, key) for key in _KERNEL_KEYS)
 
 
 def _tensor_bytes(args: Any, kwargs: Any, out: Any) -> int:
