@@ -65,7 +65,7 @@ def test_a_version_1_profile_loads_with_its_figures_typed_and_predicts_the_same(
     # is one node, with no across-node fits.
     path = profile.save(tmp_path / "profile.json")
     data = json.loads(path.read_text())
-    assert data["version"] == PROFILE_VERSION == 6 and data["forward_order"] == profile.forward_order
+    assert data["version"] == PROFILE_VERSION == 7 and data["forward_order"] == profile.forward_order
     assert data["nodes"] == 1 and data["inter_node_collectives"] == {}
     assert data["rates"] == raw["info"]["rates"] and not moved & set(data["info"])
     assert data["loss"] is None and data["measured_peak_correction"] == 0
@@ -196,6 +196,6 @@ def test_a_malformed_report_is_refused_naming_the_field(tmp_path: Path, change, 
 def test_a_profile_of_an_unknown_version_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
     shutil.copy(DATA / "profile_v1.json", path)
-    path.write_text(path.read_text().replace('"version": 1', '"version": 8', 1))
-    with pytest.raises(ValueError, match="not a lightning_osdp profile of version 1, 2, 3, 4, 5, 6 .*version=8"):
+    path.write_text(path.read_text().replace('"version": 1', '"version": 9', 1))
+    with pytest.raises(ValueError, match="not a lightning_osdp profile of version 1, 2, 3, 4, 5, 6, 7 .*version=9"):
         ModelProfile.load(path)

@@ -700,6 +700,9 @@ def test_a_block_given_a_key_value_cache_is_timed_with_an_empty_one_every_run() 
     # Its selective replay was timed with it, and the identical block shares the figure.
     replay = result.modules["blocks.0"].selective_replay_seconds
     assert replay is not None and replay > 0 and result.modules["blocks.1"].selective_replay_seconds == replay
+    # So was its full recomputation's replay (to its last saved tensor: replay.py).
+    full = result.modules["blocks.0"].recompute_replay_seconds
+    assert full is not None and full > 0 and result.modules["blocks.1"].recompute_replay_seconds == full
 
 
 def test_hugging_face_decoder_layers_are_timed_in_blocks_mode() -> None:

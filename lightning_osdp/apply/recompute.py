@@ -3,14 +3,15 @@
 [Note: recomputation inside the FSDP2 unit]
 A decision with ``recompute="full"`` (or ``True``) runs its module's forward under non-reentrant
 ``torch.utils.checkpoint``: the forward saves only the module's inputs, and backward runs the forward once more to
-rebuild what it needs (torch restores the RNG state, so dropout draws the same mask, and the autocast state). The
-executor makes the module's *own* ``forward`` the checkpointed function and applies FSDP2 (or DDP) around the module
-afterwards, the order torchtitan uses (checkpoint wrapper first, ``fully_shard`` after): FSDP2's hooks fire around the
-call, the recomputation in backward calls the bare forward without them, and FSDP2's pre-backward hook has already
-gathered the unit's parameters by then. So a recomputed ``full_shard`` unit gathers twice per step, as without
-recomputation (``tests/test_recompute.py`` counts the all-gathers). Units nested inside a recomputed module are
-different: their own forward hooks do fire in the recomputation, and FSDP2's pre-forward gathers them there (their
-pre-backward then finds them gathered).
+rebuild what it needs, up to the last tensor it saves (torch's early stop: ``lightning_osdp/profiling/replay.py``
+[Note: the recomputation stops at the last saved tensor]). torch restores the RNG state, so dropout draws the same
+mask, and the autocast state. The executor makes the module's *own* ``forward`` the checkpointed function and
+applies FSDP2 (or DDP) around the module afterwards, the order torchtitan uses (checkpoint wrapper first,
+``fully_shard`` after): FSDP2's hooks fire around the call, the recomputation in backward calls the bare forward
+without them, and FSDP2's pre-backward hook has already gathered the unit's parameters by then. So a recomputed
+``full_shard`` unit gathers twice per step, as without recomputation (``tests/test_recompute.py`` counts the
+all-gathers). Units nested inside a recomputed module are different: their own forward hooks do fire in the
+recomputation, and FSDP2's pre-forward gathers them there (their pre-backward then finds them gathered).
 
 The checkpointed forward is an attribute of the module instance, not a wrapper module: names in
 ``named_modules()``, and so plans and state-dict keys, do not change (``CheckpointWrapper`` would add

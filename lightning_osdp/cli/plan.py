@@ -596,7 +596,8 @@ def _parts_table(
         f"compute: each operator's FLOPs and bytes ({rates.dtype}; see the figures below) plus "
         f"{rates.matmul_op_seconds * 1e6:.0f}/{rates.memory_op_seconds * 1e6:.0f} us per matmul/other kernel, "
         f"other operators' bytes at {rates.memory_bytes_per_second / 1e9:,.0f} GB/s; recompute: the forward of the "
-        "fully recomputed blocks, run again in backward, and the replay of the selective ones (their operators but "
+        "fully recomputed blocks, run again in backward up to each one's last saved tensor (where torch's "
+        "recomputation stops), and the replay of the selective ones (their operators but "
         "the matrix products, attention and convolutions); exposed comm and contention: see the next table.",
         f"copies: FSDP2's copy-out after each all-gather, DDP's gradient copy into its buckets, and side-stream "
         f"copies compute does not hide, at {run.figures.copy_bytes_per_second / 1e9:,.0f} GB/s; optimizer: its step "

@@ -85,7 +85,8 @@ overhead)``, where
   ``structure.unit_time``);
 * contention: a collective hidden behind compute slows that compute by the share of the device its kernels hold
   (``collective_compute_share``; ``config.py`` [Note: the target's figures]);
-* recomputation: the forward seconds of every recomputed module, run again in backward;
+* recomputation: the forward seconds of every recomputed module, run again in backward (up to its last saved
+  tensor, where torch's recomputation stops, when the profile measured it: ``recompute_replay_seconds``);
 * copies are FSDP2's memory copies (all-gather copy-in/out, reduce-scatter copy-in) and DDP's copy of each
   gradient into its bucket, at the copy bandwidth; on CUDA the copy-ins run on FSDP2's side streams and hide in the
   compute the collectives leave;

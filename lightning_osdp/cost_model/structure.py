@@ -228,6 +228,9 @@ class Node:
             (``selective_forward_bytes``; ``None``: not measured).
         selective_seconds: under selective recomputation, the seconds its replay runs in backward
             (``selective_replay_seconds``).
+        full_replay: under full recomputation, the seconds its replay runs in backward
+            (``ModuleProfile.recompute_replay_seconds``: its forward up to its last saved tensor); ``None``: not
+            measured, the whole subtree's forward.
         kept: under recomputation, the bytes of its inputs the checkpoint keeps (``ModuleProfile.input_bytes``).
         kept_saved: the part of ``kept`` its own subtree saves again when it recomputes (``input_saved_bytes``).
         recompute_forward: under recomputation, the largest live bytes its forward adds, output included
@@ -259,6 +262,7 @@ class Node:
     selective: int | None = None
     selective_forward: int | None = None
     selective_seconds: float = 0.0
+    full_replay: float | None = None
     bwd_extra: int = 0
 
     def saved(self) -> int:
@@ -272,9 +276,11 @@ class Node:
         return self.kept + (self.selective or 0)
 
     def replay_seconds(self) -> float:
-        """Under recomputation, the forward seconds run again in backward: the whole subtree's, or the replay of a
-        selective one."""
-        return self.selective_seconds if self.selective is not None else self.forward_seconds()
+        """Under recomputation, the forward seconds run again in backward: the replay of a selective one, else the
+        subtree's forward up to its last saved tensor (the whole forward when that was not measured)."""
+        if self.selective is not None:
+            return self.selective_seconds
+        return self.forward_seconds() if self.full_replay is None else self.full_replay
 
     def forward_seconds(self) -> float:
         """Forward seconds of this subtree: what recomputing it costs."""
@@ -357,6 +363,9 @@ def _repeated(modules: dict[str, ModuleProfile], micro_batches: int) -> dict[str
             bwd_seconds=mp.bwd_seconds * micro_batches,
             selective_replay_seconds=(
                 None if mp.selective_replay_seconds is None else mp.selective_replay_seconds * micro_batches
+            ),
+            recompute_replay_seconds=(
+                None if mp.recompute_replay_seconds is None else mp.recompute_replay_seconds * micro_batches
             ),
         )
         for name, mp in modules.items()
@@ -606,6 +615,7 @@ class _SegmentBuilder:
         saved = mp.input_saved_bytes if mp.input_saved_bytes is not None else kept
         node.recompute, node.kept, node.kept_saved = True, kept, min(saved, kept)
         node.recompute_forward = mp.recompute_forward_bytes
+        node.full_replay = mp.recompute_replay_seconds
         if decision.recompute == "selective":
             if mp.selective_kept_bytes is None or mp.selective_replay_seconds is None:
                 raise ValueError(

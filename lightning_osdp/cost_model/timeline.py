@@ -34,7 +34,8 @@ run anyway), the first saved tensor it needs runs the forward again: its subtree
 (``Node.saved()``, less the inputs the checkpoint kept and the recomputation saves again, ``kept_saved``), full_shard
 units nested in it are gathered by their own pre-forward hooks there, and the backward then frees the activations
 module by module as without recomputation; the kept inputs go when its backward ends. The step pays the subtree's
-forward seconds once more.
+forward seconds once more, up to the last tensor it saves (torch stops the recomputation there:
+``ModuleProfile.recompute_replay_seconds``, ``lightning_osdp/profiling/replay.py``).
 
 A module recomputed *selectively* (``recompute="selective"``) keeps, beyond its inputs, the outputs of its kept
 operators (``Node.selective``, measured per block: ``ModuleProfile.selective_kept_bytes``) from the end of its
@@ -518,7 +519,7 @@ class SegmentSimulator:
 
 
 def _recompute_seconds(node: Node) -> float:
-    """Forward seconds run again in backward: each recomputed module's subtree (its replay, when selective), once per
+    """Forward seconds run again in backward: each recomputed module's replay (``Node.replay_seconds``), once per
     recomputation."""
     own = node.replay_seconds() if node.recompute else 0.0
     return own + sum(_recompute_seconds(c) for c in node.children)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_osdp._compat import tree_leaves, tree_map
+from lightning_osdp.profiling.replay import count_saves, time_full_replay
 from lightning_osdp.profiling.replica import materialize_randomly
 from lightning_osdp.profiling.selective import time_replay
 from lightning_osdp.profiling.timing import device_clock, timed_section
@@ -56,6 +57,8 @@ class BlockTimes:
     #: Per block, what selective recomputation adds to its step (``selective.py``'s ``time_replay``), for the blocks
     #: asked for.
     replay: dict[str, float] = field(default_factory=dict)
+    #: Per block, what its full recomputation runs in backward (``replay.py``'s ``time_full_replay``).
+    full_replay: dict[str, float] = field(default_factory=dict)
 
 
 def _key(block: nn.Module, inputs: Any) -> tuple[Any, ...]:
@@ -127,7 +130,7 @@ def measure_blocks(
     clock = device_clock(device)
     for members in groups.values():
         representative = members[0]
-        times, replay = _time_one(
+        times, replay, full_replay = _time_one(
             module.get_submodule(representative),
             record.modules[representative].inputs,
             device,
@@ -142,6 +145,7 @@ def measure_blocks(
                 result.modules[f"{member}.{inner}" if inner else member] = figures
             if replay is not None:
                 result.replay[member] = replay
+            result.full_replay[member] = full_replay
         gc.collect()
     return result
 
@@ -155,7 +159,7 @@ def _time_one(
     clock: Callable[[], float],
     *,
     replay: bool,
-) -> tuple[dict[str, tuple[float, float]], float | None]:
+) -> tuple[dict[str, tuple[float, float]], float | None, float]:
     replica = copy.deepcopy(block)
     materialize_randomly(replica, device)
     replica.train(block.training)
@@ -186,8 +190,10 @@ def _time_one(
         )
         for name in records[0].modules
     }
-    if not replay:
-        return times, None
     with context():
-        replays = [time_replay(replica, lambda: _rebuild(inputs, device), clock) for _ in range(repeats)]
-    return times, statistics.median(replays)
+        saves = count_saves(replica, *_rebuild(inputs, device))
+        full = [time_full_replay(replica, lambda: _rebuild(inputs, device), clock, saves) for _ in range(repeats)]
+        if not replay:
+            return times, None, statistics.median(full)
+        replays = [time_replay(replica, lambda: _rebuild(inputs, device), clock, saves) for _ in range(repeats)]
+    return times, statistics.median(replays), statistics.median(full)

@@ -31,8 +31,8 @@ __all__ = [
 PROFILE_FORMAT = "lightning_osdp.profile"
 #: ``version`` field of a profile file this release writes; it reads this one and every earlier one (see
 #: [Note: profile versions]).
-PROFILE_VERSION = 6
-_READS_VERSIONS = (1, 2, 3, 4, 5, PROFILE_VERSION)
+PROFILE_VERSION = 7
+_READS_VERSIONS = (1, 2, 3, 4, 5, 6, PROFILE_VERSION)
 
 # [Note: profile versions]
 # Version 1 kept the figures later stages read (the forward order, the copy bandwidth, the estimated mode's rates,
@@ -57,6 +57,8 @@ _READS_VERSIONS = (1, 2, 3, 4, 5, PROFILE_VERSION)
 # counts it in full). An earlier file reads with 0: both MFU conventions then read its FLOPs as traced.
 # Version 6 also adds ``step_calls`` (the step's ``self.log`` values and collectives, which the cost model prices as
 # the training loop's time around the step). An earlier file reads with ``None``: the loop at the device's constant.
+# Version 7 adds ``ModuleProfile.recompute_replay_seconds`` (what a block's full recomputation runs: its forward up to
+# its last saved tensor). An earlier file reads with ``None``: a full recomputation is charged the whole forward.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -100,6 +102,11 @@ class ModuleProfile:
             largest live bytes its forward adds, output included, when it runs under activation checkpointing (it
             saves nothing; what its own code holds between its children's calls is alive meanwhile); measured by
             running the step's forward once more with every block checkpointed. ``None``: not measured.
+        recompute_replay_seconds: for a block, the seconds its full recomputation runs in backward: its forward up to
+            the last tensor it saves for backward, where torch's recomputation stops (``lightning_osdp/profiling/
+            replay.py`` [Note: the recomputation stops at the last saved tensor]); timed on the device in measured
+            mode, from its operators' FLOPs and bytes at the profile's rates otherwise. ``None``: not measured (a
+            profile from before version 7): the cost model then charges the whole forward.
         selective_kept_bytes: for a block, the bytes its forward keeps for backward under selective recomputation
             (``recompute="selective"``: the outputs of its matrix products and attention, see
             ``lightning_osdp/apply/recompute.py`` [Note: selective recomputation]), its subtree's, inputs excluded:
@@ -142,6 +149,7 @@ class ModuleProfile:
     input_bytes: int | None = None
     input_saved_bytes: int | None = None
     recompute_forward_bytes: int | None = None
+    recompute_replay_seconds: float | None = None
     selective_kept_bytes: int | None = None
     selective_forward_bytes: int | None = None
     selective_replay_seconds: float | None = None

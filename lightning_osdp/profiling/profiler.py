@@ -74,8 +74,9 @@ from lightning_osdp.profiling.optimizer_state import (
 from lightning_osdp.profiling.parameters import account_parameters, grad_bytes_by_module
 from lightning_osdp.profiling.rates import DeviceRates, measure_copy_bandwidth, measure_device_rates
 from lightning_osdp.profiling.repeats import RepeatedBlocks, find_repeated_blocks, traced_by_depth
+from lightning_osdp.profiling.replay import count_saves, replay_ops, time_full_replay
 from lightning_osdp.profiling.replica import fake_replica, measured_replica
-from lightning_osdp.profiling.selective import SelectiveFigures, measure_selective
+from lightning_osdp.profiling.selective import SelectiveFigures, fresh_caches, measure_selective
 from lightning_osdp.profiling.step import (
     LossFn,
     StepRunner,
@@ -543,11 +544,22 @@ def _traced(session: _Session, request: _Request) -> StepRecord:
         ) from error
 
 
-def _recompute_forward_bytes(session: _Session) -> dict[str, int]:
-    """Per block of the replica, the live bytes its forward adds when it runs under activation checkpointing (see
-    ``ModelProfile.recompute_forward_bytes``): the step's forward once more, every block checkpointed as the executor
-    does it, each block's window between its forward hooks read off the memory meter."""
-    from lightning_osdp.apply.recompute import recompute_modules
+@dataclass
+class _FullRecompute:
+    """One block under full recomputation: the live bytes its forward adds (``ModuleProfile.recompute_forward_bytes``)
+    and its replay in backward (``recompute_replay_seconds``): timed on the device, or, on fake tensors, its
+    operators for the rates."""
+
+    forward_bytes: int = 0
+    replay_seconds: float | None = None
+    replay_ops: OpTally = field(default_factory=OpTally)
+
+
+def _full_recompute(session: _Session, repeats: int) -> dict[str, _FullRecompute]:
+    """Per block of the replica, its figures under full recomputation: the step's forward once more, every block
+    checkpointed as the executor does it, each block's window between its forward hooks read off the memory meter,
+    and its replay (``replay.py`` [Note: the recomputation stops at the last saved tensor]) run in its forward hook."""
+    from lightning_osdp.apply.recompute import RecomputedForward, recompute_modules
     from lightning_osdp.plan import default_units
 
     work = session.work
@@ -557,20 +569,37 @@ def _recompute_forward_bytes(session: _Session) -> dict[str, int]:
     recompute_modules(work, blocks)
     meter = memory_meter(session.device, fake=session.estimated)
     started: dict[str, int] = {}
-    added: dict[str, int] = {}
+    figures = {name: _FullRecompute() for name in blocks}
     handles = []
+
+    def replay(module: nn.Module, args: Any, kwargs: Any, figure: _FullRecompute) -> None:
+        inner = module.__dict__["forward"]
+        assert isinstance(inner, RecomputedForward)
+        saves = count_saves(inner.inner, *fresh_caches((args, kwargs)))
+        if session.estimated:
+            fresh_args, fresh_kwargs = fresh_caches((args, kwargs))
+            figure.replay_ops = replay_ops(inner.inner, fresh_args, fresh_kwargs, saves)
+        else:
+            figure.replay_seconds = statistics.median(
+                time_full_replay(inner.inner, lambda: fresh_caches((args, kwargs)), session.clock, saves)
+                for _ in range(max(repeats, 1))
+            )
+
     for name in blocks:
         module = work.get_submodule(name)
 
         def pre(*_: Any, name: str = name) -> None:
             started[name] = meter.mark()[1]
 
-        def post(*_: Any, name: str = name) -> None:
+        def post(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
             window = meter.mark()[0]
-            added[name] = max(added.get(name, 0), window - started[name])
+            figure = figures[name]
+            figure.forward_bytes = max(figure.forward_bytes, window - started[name])
+            replay(module, args, kwargs, figure)
+            meter.mark()  # the replay's own window is no block's
 
         handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
     meter.start(work, *session.optimizers)
     try:
         loss = session.runner.forward_loss()
@@ -580,7 +609,7 @@ def _recompute_forward_bytes(session: _Session) -> dict[str, int]:
         for handle in handles:
             handle.remove()
         session.runner.output = None
-    return added
+    return figures
 
 
 def _selective(session: _Session, repeats: int) -> dict[str, SelectiveFigures]:
@@ -605,14 +634,15 @@ def _selective(session: _Session, repeats: int) -> dict[str, SelectiveFigures]:
 @dataclass
 class _Traced:
     """A traced step: the profile (its times zero unless it was measured), what the trace recorded, the session it
-    ran in, the largest live bytes of the step, and the blocks' figures under selective recomputation (whose replay
-    the rates time in the estimated modes)."""
+    ran in, the largest live bytes of the step, and the blocks' figures under selective and full recomputation (whose
+    replays the rates time in the estimated modes)."""
 
     profile: ModelProfile
     record: StepRecord
     session: _Session
     peak_bytes: int
     selective: dict[str, SelectiveFigures] = field(default_factory=dict)
+    full: dict[str, _FullRecompute] = field(default_factory=dict)
 
 
 def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | None = None) -> _Traced:
@@ -658,8 +688,10 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
             timing = _measured_timing(session, record, request.repeats, info)
         modules = _module_profiles(work, record, session, timing.modules)
         # Last: they checkpoint the replica's blocks for good (fully, then selectively).
-        for block, added in _recompute_forward_bytes(session).items():
-            modules[block].recompute_forward_bytes = added
+        full = _full_recompute(session, request.repeats)
+        for block, recomputed in full.items():
+            modules[block].recompute_forward_bytes = recomputed.forward_bytes
+            modules[block].recompute_replay_seconds = recomputed.replay_seconds
         selective = _selective(session, request.repeats)
         for block, figures in selective.items():
             if figures.mutated:
@@ -700,7 +732,7 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
         step_calls=runner.calls,
     )
     info["step_peak_bytes"] = session.peak_bytes  # the copy's steady-state step, the model's copy included
-    return _Traced(result, record, session, session.peak_bytes, selective)
+    return _Traced(result, record, session, session.peak_bytes, selective, full)
 
 
 def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> ModelProfile:
@@ -734,6 +766,10 @@ def _timed_from_rates(traced: _Traced, request: _Request, *, blocks: bool) -> Mo
             continue
         replay = replays.get(name)  # timed with its block, else the rates' figure (selective.py)
         profile.modules[name].selective_replay_seconds = rates.seconds(figures.replay_ops) if replay is None else replay
+    full_replays = measured.full_replay if blocks else {}
+    for name, full in traced.full.items():
+        replay = full_replays.get(name)  # likewise (replay.py)
+        profile.modules[name].recompute_replay_seconds = rates.seconds(full.replay_ops) if replay is None else replay
     profile.step_overhead_seconds, profile.optimizer_step_seconds = timing.overhead, timing.optimizer
     profile.rates = rates
     profile.mode = "blocks" if blocks else "estimated"

@@ -13,9 +13,11 @@ block checkpointed selectively, as the executor does it:
 * *forward bytes*: the largest live bytes between those hooks, above the start (the meter's window);
 * *replay*: the block's forward run again the way the recomputation runs it, the kept operators served from the
   forward's cache (the executor's two modes, ``KeepOutputs`` and ``ReplayKept``, filled by one more forward of the
-  block in its forward hook). Measured mode times it on the device, with what the caching mode adds to the forward
-  (the modes dispatch every operator through Python: on a small model on the CPU that is more than the kernels
-  themselves; on a GPU-sized block, noise): the median of ``repeats`` such figures, each with its cache filled anew.
+  block in its forward hook), stopped at the forward's last saved tensor as torch stops it (``replay.py`` [Note: the
+  recomputation stops at the last saved tensor]). Measured mode times it on the device, with what the caching mode
+  adds to the forward (the modes dispatch every operator through Python: on a small model on the CPU that is more than
+  the kernels themselves; on a GPU-sized block, noise): the median of ``repeats`` such figures, each with its cache
+  filled anew.
   The estimated mode records the replay's operators (FLOPs and bytes, as the tracer does) for the rates to turn into
   seconds, and counts no dispatch cost (the rates have no term for it); the blocks mode times the replay as measured
   mode does, on the block's representative (``blocks.py``), and uses the rates' figure only for a block it could
@@ -42,8 +44,9 @@ from torch import Tensor, nn
 from lightning_osdp._compat import tree_leaves, tree_map
 from lightning_osdp.apply.recompute import KeepOutputs, RecomputedForward, ReplayKept, recompute_modules
 from lightning_osdp.memory import memory_meter
+from lightning_osdp.profiling.replay import OpsTally, count_saves, until_last_save
 from lightning_osdp.profiling.timing import timed_section
-from lightning_osdp.profiling.tracer import ComputeKernel, OpTally, _OpRecorder, empty_cache
+from lightning_osdp.profiling.tracer import OpTally, _OpRecorder, empty_cache
 
 __all__ = ["SelectiveFigures", "fresh_caches", "measure_selective", "time_replay"]
 
@@ -67,17 +70,6 @@ class SelectiveFigures:
     replay_seconds: float | None = None
     replay_ops: OpTally = field(default_factory=OpTally)
     mutated: list[str] = field(default_factory=list)
-
-
-class _Tally:
-    """What :class:`~lightning_osdp.profiling.tracer._OpRecorder` reports to: one :class:`OpTally`."""
-
-    def __init__(self) -> None:
-        self.ops = OpTally()
-        self._unsized = 0
-
-    def _record_op(self, flops: int, traffic: int, kernel: ComputeKernel | None = None) -> None:
-        self.ops.count(flops, traffic, kernel)
 
 
 def _output_bytes(output: Any) -> int:
@@ -107,11 +99,12 @@ def fresh_caches(arguments: Any) -> Any:
 
 
 def time_replay(
-    forward: Callable[..., Any], arguments: Callable[[], tuple[Any, Any]], clock: Callable[[], float]
+    forward: Callable[..., Any], arguments: Callable[[], tuple[Any, Any]], clock: Callable[[], float], saves: int
 ) -> float:
     """One figure of what selective recomputation adds to a block's step (see [Note: measuring selective
-    recomputation]): ``forward`` run plainly, under the caching mode and as the replay, each on ``arguments()``
-    (made before the clock starts), with gradients enabled."""
+    recomputation]): ``forward`` run plainly, under the caching mode and as the replay (stopped at its ``saves``-th
+    saved tensor, as torch stops it: ``replay.py``), each on ``arguments()`` (made before the clock starts), with
+    gradients enabled."""
     calls = [arguments() for _ in range(3)]
     caching = KeepOutputs()
     cached = ReplayKept(caching)
@@ -123,7 +116,7 @@ def time_replay(
         with caching:
             forward(*calls[1][0], **calls[1][1])
         cached_forward = clock()
-        with cached:
+        with cached, until_last_save(saves):
             forward(*calls[2][0], **calls[2][1])
         end = clock()
     # The forward's own cost of the caching mode (a Python dispatch per operator), and the replay.
@@ -159,9 +152,11 @@ def measure_selective(
     def replay(module: nn.Module, args: Any, kwargs: Any, figure: SelectiveFigures) -> None:
         inner = module.__dict__["forward"]
         assert isinstance(inner, RecomputedForward)
+        saves = count_saves(inner.inner, *fresh_caches((args, kwargs)))
         if not fake:
             figure.replay_seconds = statistics.median(
-                time_replay(inner.inner, lambda: fresh_caches((args, kwargs)), clock) for _ in range(max(repeats, 1))
+                time_replay(inner.inner, lambda: fresh_caches((args, kwargs)), clock, saves)
+                for _ in range(max(repeats, 1))
             )
             return
         caching = KeepOutputs()
@@ -169,10 +164,10 @@ def measure_selective(
         with torch.enable_grad():
             with caching:
                 inner.inner(*fresh_caches(args), **fresh_caches(kwargs))
-            tally = _Tally()
+            tally = OpsTally()
             # The recorder outside the cache's mode: it sees only what the replay runs (a kept operator is served by
             # the cache and never reaches it).
-            with _OpRecorder(tally), cached:  # type: ignore[arg-type]
+            with _OpRecorder(tally), cached, until_last_save(saves):  # type: ignore[arg-type]
                 inner.inner(*fresh_caches(args), **fresh_caches(kwargs))
         figure.replay_ops = tally.ops
 

@@ -495,6 +495,7 @@ class PlanningProblem:
                     mp.input_saved_bytes,
                     (mp.recompute_forward_bytes, mp.selective_kept_bytes, mp.selective_forward_bytes),
                     mp.selective_replay_seconds,
+                    mp.recompute_replay_seconds,
                 )
             )
         return tuple(rows)
