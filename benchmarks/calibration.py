@@ -140,6 +140,7 @@ class PublishedRun:
     accumulation: str = "reduce_each"
     reduce_dtype: str | None = None
     loss_precision: str = "float32"
+    recompute_stops_early: bool = True
     notes: str = ""
 
     @property
@@ -182,6 +183,8 @@ def load_runs(path: Path = RUNS_FILE) -> list[PublishedRun]:
                 f"{path}: run {run.id}: fused kernels {unknown} are not modelled (known: {', '.join(_FUSED_KERNELS)}; "
                 f"{', '.join(_LLAMA_ONLY)} for Llama only)"
             )
+        if not isinstance(run.recompute_stops_early, bool):
+            raise ValueError(f"{path}: run {run.id}: recompute_stops_early must be true or false")
         if run.reduce_dtype is not None and run.precision == "bf16-mixed":
             raise ValueError(f"{path}: run {run.id}: reduce_dtype is for FSDP's policies (bf16-fsdp, bf16-true)")
         if run.attention == "cudnn" and generation(run) != "hopper":
@@ -482,7 +485,17 @@ def trace(run: PublishedRun, module: torch.nn.Module, efficiency: float, memory:
         profile = _accumulating_without_sync(run, profile)
     if run.recompute == "selective" and run.selective_policy == "torchtitan":
         profile = _with_published_policy(run, module, profile, figures.rates)
+    if not run.recompute_stops_early:
+        profile = _replaying_whole_forward(profile)
     return profile
+
+
+def _replaying_whole_forward(profile: ModelProfile) -> ModelProfile:
+    """``profile`` as a recomputation that runs the block's whole forward again prices it: torch before 2.1, whose
+    non-reentrant checkpoint had no early stop, or a reentrant one (``lightning_osdp/profiling/replay.py`` [Note: the
+    recomputation stops at the last saved tensor])."""
+    modules = {n: dataclasses.replace(m, recompute_replay_seconds=None) for n, m in profile.modules.items()}
+    return dataclasses.replace(profile, modules=modules)
 
 
 def _rotary_of(run: PublishedRun) -> contextlib.AbstractContextManager[Any]:

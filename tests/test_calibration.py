@@ -336,3 +336,27 @@ def test_the_loss_in_the_logits_dtype_keeps_no_float32_copy() -> None:
     peaks = [calibration.trace_run(r).base.loss.backward_peak_bytes for r in (logits, upcast)]
     # The float32 logits and their float32 log-softmax (4 bytes a value each) against bf16 ones (2 bytes).
     assert peaks[1] - peaks[0] >= 2 * 2 * 512 * 2 * 8192
+
+
+def test_a_run_on_torch_before_early_stop_is_charged_the_whole_forward_again() -> None:
+    early = _small_selective_run(recompute="full")
+    whole = dataclasses.replace(early, recompute_stops_early=False)
+    stopped, replayed = calibration.trace_run(early), calibration.trace_run(whole)
+    for name in ("model.layers.0", "model.layers.1"):
+        block = [m for n, m in stopped.base.modules.items() if n == name or n.startswith(name + ".")]
+        forward = sum(m.fwd_seconds for m in block)
+        replay = stopped.base.modules[name].recompute_replay_seconds
+        # The block's replay stops before the MLP's down projection (and the residual add after it).
+        assert replay is not None and 0 < replay < forward
+        assert replayed.base.modules[name].recompute_replay_seconds is None
+    a, b = (calibration.predict_run(t, 1.0, 0.8) for t in (stopped, replayed))
+    assert a.step_seconds < b.step_seconds
+
+
+def test_recompute_stops_early_must_be_a_boolean(tmp_path: Path) -> None:
+    data = json.loads(calibration.RUNS_FILE.read_text())
+    data["runs"][0]["recompute_stops_early"] = "no"
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="recompute_stops_early must be true or false"):
+        calibration.load_runs(path)

@@ -124,7 +124,7 @@ TFLOPS = 1e12
 # with their stacks (on Hopper a 2023 one reaches a smaller share than the 2024 and 2026 ones); the constant is the
 # one nearest to all of them. It applies where the ceiling is a published measurement; the round 70% of a
 # data-sheet peak below already stands for a training rate.
-TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.875, "ampere": 0.850}
+TRAINING_MATMUL_EFFICIENCY: dict[str, float] = {"hopper": 0.825, "ampere": 0.850}
 # [Note: attention kernels other than FlashAttention-2]
 # The attention points above are FlashAttention-2's (torch's SDPA flash kernel). A run on another kernel is charged at
 # that kernel's published speed relative to it, forward and backward together, weighted by the tracer's FLOPs
