@@ -4,6 +4,8 @@ operator (``lightning_osdp/profiling/replay.py`` [Note: the recomputation stops 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import time
 from typing import Any
 
 import pytest
@@ -12,9 +14,10 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_osdp.cost_model import predict
+from lightning_osdp.memory import LiveStorageTracker
 from lightning_osdp.plan import Plan
 from lightning_osdp.profiling import profile
-from lightning_osdp.profiling.replay import OpsTally, count_saves, replay_ops
+from lightning_osdp.profiling.replay import OpsTally, count_saves, replay_ops, time_full_replay
 from lightning_osdp.profiling.tracer import OpTally, _OpRecorder
 
 
@@ -108,3 +111,23 @@ def test_the_cost_model_charges_the_replay_and_an_earlier_profile_the_whole_forw
     forwards = sum(m.fwd_seconds for n, m in estimated.modules.items() if n.startswith(blocks))
     assert predict(earlier, plan, 1).step_parts["recompute"] == pytest.approx(forwards)
     assert forwards > replays
+
+
+def test_a_replay_leaves_nothing_alive_without_a_garbage_collection() -> None:
+    # The profiler times replays with garbage collection off (timing.py): a saved output the hook kept would hold
+    # its own grad_fn, a cycle alive until the next collection, above the budget in setup (tests/test_user_corpus.py).
+    import torch._dynamo  # its first import, inside a forward, leaves a cycle of its own
+
+    block, x = nn.Sequential(nn.Linear(16, 64), nn.Sigmoid(), nn.Linear(64, 16)), torch.randn(8, 16)
+    saves = count_saves(block, (x,), {})
+    enabled = gc.isenabled()
+    gc.disable()
+    tracker = LiveStorageTracker("cpu").start()
+    try:
+        count_saves(block, (x,), {})
+        time_full_replay(block, lambda: ((x,), {}), time.perf_counter, saves)
+        assert tracker.live == 0
+    finally:
+        tracker.stop()
+        if enabled:
+            gc.enable()
