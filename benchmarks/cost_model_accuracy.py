@@ -13,7 +13,9 @@ of ``optimizer_step``), the maximum over ranks; step time is the median of the s
 machine is shared and its load drifts, so the benchmark runs ``--rounds`` rounds, each profiling again and then
 measuring every plan: a prediction is compared with measurements taken under the conditions of its own profile.
 Per plan it prints the predicted and measured peak (max over rounds) and step time (medians over rounds) and
-their ratios (the step-time ratio is the median of the per-round ratios); ``--out`` writes JSON.
+their ratios (the step-time ratio is the median of the per-round ratios); ``--out`` writes JSON. Beside each
+prediction, the one the cost model made before it charged full recomputation to the last saved tensor (the profile's
+``recompute_replay_seconds`` dropped: every recomputed block's whole forward again), from the same profile.
 
 Targets (issue 3): memory within 10% and step time within 15% of measured, per plan.
 """
@@ -21,6 +23,7 @@ Targets (issue 3): memory within 10% and step time within 15% of measured, per p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -56,6 +59,12 @@ def make_model(args: argparse.Namespace) -> L.LightningModule:
     return GPTModule(
         width=args.width, depth=args.depth, heads=args.heads, context_length=args.context, lr_schedule="constant"
     )
+
+
+def whole_forward(prof: Any) -> Any:
+    """``prof`` as the cost model read it before full recomputation was charged to its last saved tensor."""
+    modules = {n: dataclasses.replace(m, recompute_replay_seconds=None) for n, m in prof.modules.items()}
+    return dataclasses.replace(prof, modules=modules)
 
 
 def measure(plan: Plan, args: argparse.Namespace) -> tuple[int, float]:
@@ -137,20 +146,21 @@ def main() -> None:
 
     # Each round profiles again and measures every plan right after: on a shared machine, load drifts over
     # minutes, so a prediction is compared with measurements taken under the same conditions as its profile.
-    rounds: list[dict[str, tuple[float, int, float]]] = []
+    rounds: list[dict[str, tuple[float, int, float, float]]] = []
     for r in range(args.rounds):
         if r:
             prof = profile_now()
-        this: dict[str, tuple[float, int, float]] = {}
+        this: dict[str, tuple[float, int, float, float]] = {}
         for name, plan in plans.items():
             peak, step = measure(plan, args)
-            this[name] = (predict(prof, plan, ws).step_seconds, peak, step)
+            before = predict(whole_forward(prof), plan, ws).step_seconds
+            this[name] = (predict(prof, plan, ws).step_seconds, peak, step, before)
         rounds.append(this)
         if rank == 0:
             load = os.getloadavg()[0]
             print(
                 f"round {r}: load {load:.1f}, "
-                + ", ".join(f"{n} {p * 1e3:.0f}/{m * 1e3:.0f} ms" for n, (p, _, m) in this.items()),
+                + ", ".join(f"{n} {p * 1e3:.0f}/{m * 1e3:.0f} ms" for n, (p, _, m, _) in this.items()),
                 flush=True,
             )
     rows: list[dict[str, Any]] = []
@@ -166,6 +176,7 @@ def main() -> None:
                 "predicted_step": statistics.median(rd[name][0] for rd in rounds),
                 "measured_step": statistics.median(rd[name][2] for rd in rounds),
                 "step_ratio": statistics.median(ratios),
+                "step_ratio_whole_forward": statistics.median(rd[name][3] / rd[name][2] for rd in rounds),
                 "rounds": [{"predicted": rd[name][0], "measured": rd[name][2]} for rd in rounds],
                 "peak_at": pred.peak_at,
             }
@@ -174,14 +185,17 @@ def main() -> None:
             print(f"{name}: {plan.summary()}", flush=True)
             print(pred, flush=True)
     if rank == 0:
-        header = f"{'plan':<14}{'pred MiB':>10}{'meas MiB':>10}{'ratio':>8}{'pred ms':>10}{'meas ms':>10}{'ratio':>8}"
+        header = (
+            f"{'plan':<14}{'pred MiB':>10}{'meas MiB':>10}{'ratio':>8}{'pred ms':>10}{'meas ms':>10}{'ratio':>8}"
+            f"{'whole fwd':>10}"
+        )
         print(f"\n{header}  plan")
         for row in rows:
             print(
                 f"{row['plan']:<14}{row['predicted_peak'] / 2**20:>10.2f}{row['measured_peak'] / 2**20:>10.2f}"
                 f"{row['predicted_peak'] / max(row['measured_peak'], 1):>8.3f}"
                 f"{row['predicted_step'] * 1e3:>10.1f}{row['measured_step'] * 1e3:>10.1f}"
-                f"{row['step_ratio']:>8.3f}  {row['summary']}"
+                f"{row['step_ratio']:>8.3f}{row['step_ratio_whole_forward']:>10.3f}  {row['summary']}"
             )
         if args.out:
             args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
