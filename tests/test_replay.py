@@ -131,3 +131,17 @@ def test_a_replay_leaves_nothing_alive_without_a_garbage_collection() -> None:
         tracker.stop()
         if enabled:
             gc.enable()
+
+
+def test_a_block_called_twice_a_step_is_charged_two_replays() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.blocks[1](self.blocks[0](self.blocks[0](x)))
+
+    result = profile(Twice(), torch.randn(4, 8, 16), loss_fn=lambda out, _batch: out.sum(), mode="estimated")
+    once, twice = (result.modules[f"blocks.{i}"].recompute_replay_seconds for i in (1, 0))
+    assert once is not None and twice == pytest.approx(2 * once)

@@ -576,11 +576,12 @@ def _full_recompute(session: _Session, repeats: int) -> dict[str, _FullRecompute
         inner = module.__dict__["forward"]
         assert isinstance(inner, RecomputedForward)
         saves = count_saves(inner.inner, *fresh_caches((args, kwargs)))
+        # A block called more than once a step is recomputed once per call, as its forward seconds count every call.
         if session.estimated:
             fresh_args, fresh_kwargs = fresh_caches((args, kwargs))
-            figure.replay_ops = replay_ops(inner.inner, fresh_args, fresh_kwargs, saves)
+            figure.replay_ops += replay_ops(inner.inner, fresh_args, fresh_kwargs, saves)
         else:
-            figure.replay_seconds = statistics.median(
+            figure.replay_seconds = (figure.replay_seconds or 0.0) + statistics.median(
                 time_full_replay(inner.inner, lambda: fresh_caches((args, kwargs)), session.clock, saves)
                 for _ in range(max(repeats, 1))
             )
