@@ -145,3 +145,43 @@ def test_a_block_called_twice_a_step_is_charged_two_replays() -> None:
     result = profile(Twice(), torch.randn(4, 8, 16), loss_fn=lambda out, _batch: out.sum(), mode="estimated")
     once, twice = (result.modules[f"blocks.{i}"].recompute_replay_seconds for i in (1, 0))
     assert once is not None and twice == pytest.approx(2 * once)
+
+
+class Temporary(nn.Module):
+    """A block whose own code holds a temporary four times its input that nothing saves for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        wide = x.repeat(1, 1, 4)  # saved by nothing: repeat's and sum's backward need only shapes
+        return self.lin(x) + wide.sum(-1, keepdim=True)
+
+
+def test_a_blocks_forward_peak_counts_its_own_codes_temporaries() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Temporary(), Temporary()])
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    net, x = Net(), torch.randn(4, 8, 16)
+    result = profile(net, x, loss_fn=lambda out, _batch: out.sum(), mode="estimated")
+    wide = 4 * 8 * 64 * 4
+    block = result.modules["blocks.0"]
+    saved = sum(m.activation_bytes for n, m in result.modules.items() if n.startswith("blocks.0"))
+    assert block.forward_peak_bytes is not None
+    assert block.forward_peak_bytes >= saved + block.output_bytes + wide
+    # The cost model's forward instant of the block holds it; a profile without the figure misses it.
+    plan = Plan.uniform(net, "no_shard")
+    earlier = dataclasses.replace(
+        result, modules={n: dataclasses.replace(m, forward_peak_bytes=None) for n, m in result.modules.items()}
+    )
+    at = {label: value for label, value in predict(result, plan, 1).instants}
+    before = {label: value for label, value in predict(earlier, plan, 1).instants}
+    assert at["forward blocks.0"] - before["forward blocks.0"] >= wide

@@ -228,6 +228,8 @@ class Node:
             (``selective_forward_bytes``; ``None``: not measured).
         selective_seconds: under selective recomputation, the seconds its replay runs in backward
             (``selective_replay_seconds``).
+        fwd_peak: run without recomputation, the largest live bytes its forward adds, saved tensors, temporaries and
+            output included (``ModuleProfile.forward_peak_bytes``, measured for blocks; ``None``: not measured).
         full_replay: under full recomputation, the seconds its replay runs in backward
             (``ModuleProfile.recompute_replay_seconds``: its forward up to its last saved tensor); ``None``: not
             measured, the whole subtree's forward.
@@ -263,6 +265,7 @@ class Node:
     selective_forward: int | None = None
     selective_seconds: float = 0.0
     full_replay: float | None = None
+    fwd_peak: int | None = None
     bwd_extra: int = 0
 
     def saved(self) -> int:
@@ -603,6 +606,7 @@ class _SegmentBuilder:
         node.children = [self.node(c) for c in info.children[name]]
         node.grad_sum = info.grad_sum.get(name, 0)
         node.bwd_extra = mp.backward_transient_bytes or 0
+        node.fwd_peak = mp.forward_peak_bytes
         return self._with_recompute(node)
 
     def _with_recompute(self, node: Node) -> Node:

@@ -392,6 +392,7 @@ class SegmentSimulator:
         the recomputed module's inputs are (see [Note: recomputation])."""
         if node.unit is not None:
             self.pre_forward(node.unit)
+        start = self.level
         checkpointed = node.recompute and saving
         if checkpointed:
             self.level += _acts(node.kept)
@@ -402,6 +403,9 @@ class SegmentSimulator:
             self.forward(child, saving)
         # Unsaved, what the module would save still lives while its own code runs.
         self._forward_instant(self.level + _acts(node.out + (0 if saving else node.act)))
+        if saving and node.fwd_peak is not None:
+            # Its own code's temporaries beside what it saves, measured (ModuleProfile.forward_peak_bytes).
+            self._forward_instant(start + _acts(node.fwd_peak))
         transient = node.recompute_forward if node.selective is None else node.selective_forward
         if checkpointed and transient is not None:
             # What the checkpointed forward holds at once, measured (its own code's tensors between its children's

@@ -58,7 +58,8 @@ _READS_VERSIONS = (1, 2, 3, 4, 5, 6, PROFILE_VERSION)
 # Version 6 also adds ``step_calls`` (the step's ``self.log`` values and collectives, which the cost model prices as
 # the training loop's time around the step). An earlier file reads with ``None``: the loop at the device's constant.
 # Version 7 adds ``ModuleProfile.recompute_replay_seconds`` (what a block's full recomputation runs: its forward up to
-# its last saved tensor). An earlier file reads with ``None``: a full recomputation is charged the whole forward.
+# its last saved tensor) and ``forward_peak_bytes`` (a block's forward peak, temporaries included). An earlier file
+# reads with ``None``: a full recomputation is charged the whole forward, and a block's forward peak is its modules'.
 _VERSION_1_FIELDS = ("forward_order", "copy_bytes_per_second", "rates", "framework_seconds")
 
 
@@ -102,6 +103,11 @@ class ModuleProfile:
             largest live bytes its forward adds, output included, when it runs under activation checkpointing (it
             saves nothing; what its own code holds between its children's calls is alive meanwhile); measured by
             running the step's forward once more with every block checkpointed. ``None``: not measured.
+        forward_peak_bytes: for a block, the largest live bytes its forward adds when it runs without recomputation,
+            what it saves for backward and its output included: beyond the two, the temporaries its own code and its
+            operators hold at once (a residual sum beside the output it is added to), which the walk over its modules
+            does not see; measured by running each block's forward once more in the full-recomputation pass.
+            ``None``: not measured (a profile from before version 7).
         recompute_replay_seconds: for a block, the seconds its full recomputation runs in backward: its forward up to
             the last tensor it saves for backward, where torch's recomputation stops (``lightning_osdp/profiling/
             replay.py`` [Note: the recomputation stops at the last saved tensor]); timed on the device in measured
@@ -150,6 +156,7 @@ class ModuleProfile:
     input_saved_bytes: int | None = None
     recompute_forward_bytes: int | None = None
     recompute_replay_seconds: float | None = None
+    forward_peak_bytes: int | None = None
     selective_kept_bytes: int | None = None
     selective_forward_bytes: int | None = None
     selective_replay_seconds: float | None = None

@@ -551,6 +551,7 @@ class _FullRecompute:
     operators for the rates."""
 
     forward_bytes: int = 0
+    plain_forward_bytes: int = 0
     replay_seconds: float | None = None
     replay_ops: OpTally = field(default_factory=OpTally)
 
@@ -558,7 +559,8 @@ class _FullRecompute:
 def _full_recompute(session: _Session, repeats: int) -> dict[str, _FullRecompute]:
     """Per block of the replica, its figures under full recomputation: the step's forward once more, every block
     checkpointed as the executor does it, each block's window between its forward hooks read off the memory meter,
-    and its replay (``replay.py`` [Note: the recomputation stops at the last saved tensor]) run in its forward hook."""
+    and its replay (``replay.py`` [Note: the recomputation stops at the last saved tensor]) run in its forward hook;
+    there too, the window of its forward run plainly, saving for backward (``ModuleProfile.forward_peak_bytes``)."""
     from lightning_osdp.apply.recompute import RecomputedForward, recompute_modules
     from lightning_osdp.plan import default_units
 
@@ -571,6 +573,15 @@ def _full_recompute(session: _Session, repeats: int) -> dict[str, _FullRecompute
     started: dict[str, int] = {}
     figures = {name: _FullRecompute() for name in blocks}
     handles = []
+
+    def plain(module: nn.Module, args: Any, kwargs: Any, figure: _FullRecompute) -> None:
+        inner = module.__dict__["forward"]
+        fresh_args, fresh_kwargs = fresh_caches((args, kwargs))
+        start = meter.mark()[1]
+        with torch.enable_grad():
+            output = inner.inner(*fresh_args, **fresh_kwargs)
+        figure.plain_forward_bytes = max(figure.plain_forward_bytes, meter.mark()[0] - start)
+        del output
 
     def replay(module: nn.Module, args: Any, kwargs: Any, figure: _FullRecompute) -> None:
         inner = module.__dict__["forward"]
@@ -596,6 +607,7 @@ def _full_recompute(session: _Session, repeats: int) -> dict[str, _FullRecompute
             window = meter.mark()[0]
             figure = figures[name]
             figure.forward_bytes = max(figure.forward_bytes, window - started[name])
+            plain(module, args, kwargs, figure)
             replay(module, args, kwargs, figure)
             meter.mark()  # the replay's own window is no block's
 
@@ -692,6 +704,7 @@ def _trace(request: _Request, *, fake: bool, cut: tuple[RepeatedBlocks, int] | N
         full = _full_recompute(session, request.repeats)
         for block, recomputed in full.items():
             modules[block].recompute_forward_bytes = recomputed.forward_bytes
+            modules[block].forward_peak_bytes = recomputed.plain_forward_bytes
             modules[block].recompute_replay_seconds = recomputed.replay_seconds
         selective = _selective(session, request.repeats)
         for block, figures in selective.items():

@@ -496,6 +496,7 @@ class PlanningProblem:
                     (mp.recompute_forward_bytes, mp.selective_kept_bytes, mp.selective_forward_bytes),
                     mp.selective_replay_seconds,
                     mp.recompute_replay_seconds,
+                    mp.forward_peak_bytes,
                 )
             )
         return tuple(rows)
