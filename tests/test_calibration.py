@@ -46,12 +46,19 @@ def test_a_run_without_a_required_field_is_refused_by_name(tmp_path: Path) -> No
         calibration.load_runs(path)
 
 
-def test_a_run_with_an_unknown_sharding_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("sharding", "zero3", "sharding 'zero3' is not one of"),
+        ("recompute_stops_early", "no", "recompute_stops_early must be true or false"),
+    ],
+)
+def test_a_run_with_an_unknown_value_is_refused(tmp_path: Path, field: str, value: str, message: str) -> None:
     data = json.loads(calibration.RUNS_FILE.read_text())
-    data["runs"][0]["sharding"] = "zero3"
+    data["runs"][0][field] = value
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="sharding 'zero3' is not one of"):
+    with pytest.raises(ValueError, match=message):
         calibration.load_runs(path)
 
 
@@ -351,12 +358,3 @@ def test_a_run_on_torch_before_early_stop_is_charged_the_whole_forward_again() -
         assert replayed.base.modules[name].recompute_replay_seconds is None
     a, b = (calibration.predict_run(t, 1.0, 0.8) for t in (stopped, replayed))
     assert a.step_seconds < b.step_seconds
-
-
-def test_recompute_stops_early_must_be_a_boolean(tmp_path: Path) -> None:
-    data = json.loads(calibration.RUNS_FILE.read_text())
-    data["runs"][0]["recompute_stops_early"] = "no"
-    path = tmp_path / "runs.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="recompute_stops_early must be true or false"):
-        calibration.load_runs(path)

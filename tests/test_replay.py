@@ -35,9 +35,11 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """Two blocks of ``block`` in a ModuleList (what the profiler measures as blocks), called in turn."""
+
+    def __init__(self, block: type[nn.Module] = Block) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([block(), block()])
 
     def forward(self, x: Tensor) -> Tensor:
         for block in self.blocks:
@@ -86,7 +88,7 @@ def test_a_block_that_saves_nothing_replays_nothing() -> None:
 def test_the_profile_charges_full_recomputation_its_replay() -> None:
     net, x = Net(), torch.randn(4, 8, 16)
     for mode in ("estimated", "measured"):
-        result = profile(net, x, loss_fn=lambda out, _batch: out.sum(), mode=mode)
+        result = profile(net, x, mode=mode)
         for name in ("blocks.0", "blocks.1"):
             forward = sum(m.fwd_seconds for n, m in result.modules.items() if n == name or n.startswith(name + "."))
             replay = result.modules[name].recompute_replay_seconds
@@ -98,7 +100,7 @@ def test_the_profile_charges_full_recomputation_its_replay() -> None:
 
 def test_the_cost_model_charges_the_replay_and_an_earlier_profile_the_whole_forward() -> None:
     net, x = Net(), torch.randn(4, 8, 16)
-    estimated = profile(net, x, loss_fn=lambda out, _batch: out.sum(), mode="estimated")
+    estimated = profile(net, x, mode="estimated")
     plan = Plan.uniform(net, "no_shard", recompute="full")
     blocks = ("blocks.0", "blocks.1")
     replays = sum(estimated.modules[b].recompute_replay_seconds or 0.0 for b in blocks)
@@ -134,15 +136,11 @@ def test_a_replay_leaves_nothing_alive_without_a_garbage_collection() -> None:
 
 
 def test_a_block_called_twice_a_step_is_charged_two_replays() -> None:
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-
+    class Twice(Net):
         def forward(self, x: Tensor) -> Tensor:
             return self.blocks[1](self.blocks[0](self.blocks[0](x)))
 
-    result = profile(Twice(), torch.randn(4, 8, 16), loss_fn=lambda out, _batch: out.sum(), mode="estimated")
+    result = profile(Twice(), torch.randn(4, 8, 16), mode="estimated")
     once, twice = (result.modules[f"blocks.{i}"].recompute_replay_seconds for i in (1, 0))
     assert once is not None and twice == pytest.approx(2 * once)
 
@@ -160,18 +158,8 @@ class Temporary(nn.Module):
 
 
 def test_a_blocks_forward_peak_counts_its_own_codes_temporaries() -> None:
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList([Temporary(), Temporary()])
-
-        def forward(self, x: Tensor) -> Tensor:
-            for block in self.blocks:
-                x = block(x)
-            return x
-
-    net, x = Net(), torch.randn(4, 8, 16)
-    result = profile(net, x, loss_fn=lambda out, _batch: out.sum(), mode="estimated")
+    net, x = Net(Temporary), torch.randn(4, 8, 16)
+    result = profile(net, x, mode="estimated")
     wide = 4 * 8 * 64 * 4
     block = result.modules["blocks.0"]
     saved = sum(m.activation_bytes for n, m in result.modules.items() if n.startswith("blocks.0"))
